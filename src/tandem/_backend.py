@@ -1,0 +1,29 @@
+"""The one place that decides which kernel runs (shared/DESIGN.md, cross-cutting conventions).
+
+Triton kernels run for CUDA tensors when Triton imports. ``TANDEM_FORCE_TRITON=1``, read once at
+import, makes the ops run their Triton kernels on CPU tensors too; with ``TRITON_INTERPRET=1`` that is
+how CI tests the GPU kernels on a machine without a GPU. Nothing else in tandem reads the environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["FORCE_TRITON", "triton_available", "use_triton"]
+
+FORCE_TRITON: bool = os.environ.get("TANDEM_FORCE_TRITON", "0") == "1"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (it is an optional extra)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op given ``t`` should run its Triton kernel rather than its PyTorch reference."""
+    return triton_available() and (t.is_cuda or (FORCE_TRITON and t.device.type == "cpu"))

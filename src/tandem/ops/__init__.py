@@ -1,0 +1,5 @@
+"""Functional, typed entry points; each op is a folder (reference.py, triton.py, op.py)."""
+
+from __future__ import annotations
+
+__all__: list[str] = []
