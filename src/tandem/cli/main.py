@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+
+import tandem
+from tandem.cli import bench, train
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tandem`` parser; each subcommand's module adds its options and runs it."""
+    parser = argparse.ArgumentParser(prog="tandem", description="tandem: fast training of recurrent models.")
+    parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,bench}")
+    for name, module, summary in (
+        ("train", train, "train a model (for now: a short bidirectional GRU demo on synthetic data)"),
+        ("bench", bench, "time tandem against PyTorch: table, CSV, chart"),
+    ):
+        sub = commands.add_parser(name, help=summary, description=module.DESCRIPTION)
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run, subparser=sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
-    parser.parse_args(argv)
-    return 0
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["tandem", *argv])
+    return args.handler(args, args.subparser)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""``tandem bench``: time tandem against its PyTorch counterparts (the registry in ``tandem.bench``).
+
+Prints one table (p50, p20-p80 spread and speedup over the baseline per op, shape, mode and provider)
+to stdout and one progress line per measured case to stderr; ``--csv`` appends rows, ``--plot`` draws
+a bar chart of the speedups.
+
+Example::
+
+    tandem bench --op gru --threads 2 --csv bench.csv --plot bench.png
+    python -m benchmarks.run --op gru --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+
+from tandem.bench import runner
+from tandem.cli._args import positive_float, positive_int
+
+__all__ = ["DESCRIPTION", "add_arguments", "run", "main"]
+
+DESCRIPTION = (
+    "Time tandem against its PyTorch counterparts, every provider of a shape side by side: one table "
+    "with the median (p50), the p20-p80 spread and the speedup over the baseline; --csv appends rows, "
+    "--plot draws the speedups."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tandem bench`` (shared with ``python -m benchmarks.run``)."""
+    parser.add_argument(
+        "--op",
+        dest="ops",
+        action="extend",
+        nargs="+",
+        metavar="OP",
+        help=f"op(s) to time, repeatable (default: every registered one of {', '.join(runner.KNOWN_OPS)})",
+    )
+    parser.add_argument("--quick", action="store_true", help="only the quick shapes, with shorter timing")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="where to run (default: cuda when available, else cpu)"
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, default=2, metavar="N", help="torch CPU threads (default: 2)"
+    )
+    parser.add_argument(
+        "--min-time",
+        type=positive_float,
+        metavar="S",
+        help="seconds of measurement per provider and case (default: 1.0, or 0.3 with --quick)",
+    )
+    parser.add_argument("--csv", metavar="FILE", help="append the rows to this CSV file (header if new)")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="write a bar chart of the speedups (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="list the registered ops and shapes, time nothing"
+    )
+
+
+def _list(ops: list[str] | None) -> str:
+    lines = []
+    for name in runner.discover(ops):
+        bench = runner.REGISTRY[name]
+        providers = ", ".join(f"{p} (baseline)" if p == bench.baseline else p for p in bench.providers)
+        lines.append(f"{name}: {bench.description}".rstrip(": "))
+        lines.append(f"  providers: {providers}; modes: {', '.join(bench.modes)}")
+        for shape in bench.shapes:
+            tags = ", ".join((["quick"] if shape.quick else []) + list(shape.devices))
+            lines.append(f"  {shape.id}  [{tags}]")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run ``tandem bench`` with parsed ``args``; usage problems go to ``parser.error`` (exit 2)."""
+    try:
+        if args.list:
+            print(_list(args.ops))
+            return 0
+        # Output files are checked before the (minute-long) timing, not after it.
+        if args.csv:
+            runner.check_csv(args.csv)
+        if args.plot:
+            runner.check_plot(args.plot)
+        started = datetime.datetime.now().astimezone()
+        rows = runner.run_benchmarks(
+            args.ops, device=args.device, threads=args.threads, quick=args.quick, min_time=args.min_time
+        )
+    except runner.BenchError as e:
+        parser.error(str(e))
+
+    first = rows[0] if rows else None
+    if first is not None:
+        print(
+            f"tandem bench on {first.device}, torch {first.torch_version}, commit {first.commit}, "
+            f"{started:%Y-%m-%d %H:%M %Z}"
+        )
+        print(f"command: {getattr(args, 'command_line', parser.prog)}")
+        print()
+        print(runner.format_table(rows))
+    else:
+        print("tandem bench: nothing to time (no shape for this device / --quick)", file=sys.stderr)
+    if args.csv:
+        runner.write_csv(rows, args.csv)
+        print(f"wrote {len(rows)} rows to {args.csv}", file=sys.stderr)
+    if args.plot and rows:
+        runner.plot_speedups(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -> int:
+    """Entry point for ``python -m benchmarks.run``: the same options as ``tandem bench``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join([*prog.split(), *argv])
+    return run(args, parser)

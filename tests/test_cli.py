@@ -1,0 +1,150 @@
+"""The command line: `tandem`, `python -m tandem`, `python -m benchmarks.run`, in-process and spawned."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tandem.nn
+from tandem.bench import runner
+from tandem.bench.registry import REGISTRY, OpBench, Shape, register
+from tandem.cli.main import main
+
+REPO = Path(__file__).resolve().parent.parent
+SRC = REPO / "src"
+HAS_GRU = hasattr(tandem.nn, "GRU")
+
+
+def _python(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python <args>`` from the repository root, with src/ on the path (works with or without install)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def fake_op():
+    """A tiny two-provider op in the registry for one test; the registry is restored afterwards."""
+    runner.discover()  # real bench modules register now, so restoring the snapshot never loses them
+    saved = dict(REGISTRY)
+
+    def matmul(n):
+        def factory(params, device, mode):
+            a = torch.randn(n, n, device=device)
+            return lambda: a @ a
+
+        return factory
+
+    register(
+        OpBench(
+            "fake_cli",
+            {"torch": matmul(48), "tandem": matmul(32)},
+            (Shape("small", {}, quick=True), Shape("big", {})),
+            description="matmul",
+        )
+    )
+    yield "fake_cli"
+    REGISTRY.clear()
+    REGISTRY.update(saved)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        pytest.param(["-m", "tandem", "--help"], ["train", "bench"], id="tandem"),
+        pytest.param(
+            ["-m", "tandem", "bench", "--help"], ["--quick", "--csv", "--plot", "--threads"], id="bench"
+        ),
+        pytest.param(["-m", "benchmarks.run", "--help"], ["--op", "--quick"], id="benchmarks.run"),
+    ],
+)
+def test_help_as_a_process(args, expected):
+    done = _python(*args)
+    assert done.returncode == 0, done.stderr
+    for word in expected:
+        assert word in done.stdout
+
+
+def test_bench_table_csv_and_plot(fake_op, tmp_path, capsys):
+    csv_path, png_path = tmp_path / "b.csv", tmp_path / "b.png"
+    argv = ["bench", "--op", fake_op, "--device", "cpu", "--threads", "1", "--min-time", "0.02"]
+    argv += ["--csv", str(csv_path)]
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    if has_mpl:
+        argv += ["--plot", str(png_path)]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "command: tandem bench --op fake_cli" in out
+    assert "speedup" in out and "1.00x" in out and "small" in out and "big" in out
+    assert "[4/4] fake_cli big" in err
+    lines = csv_path.read_text().splitlines()
+    assert lines[0] == ",".join(runner.CSV_COLUMNS) and len(lines) == 5
+    if has_mpl:
+        assert png_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_quick(fake_op, capsys):
+    assert main(["bench", "--op", fake_op, "--quick", "--threads", "1", "--min-time", "0.02"]) == 0
+    out, _ = capsys.readouterr()
+    assert "small" in out and "big" not in out
+
+
+def test_bench_list(fake_op, capsys):
+    assert main(["bench", "--list", "--op", fake_op]) == 0
+    out, _ = capsys.readouterr()
+    assert "providers: torch (baseline), tandem" in out and "small  [quick, cpu, cuda]" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        pytest.param([], "the following arguments are required", id="no-command"),
+        pytest.param(
+            ["bench", "--threads", "0"], "--threads: expected a positive integer, got 0", id="threads0"
+        ),
+        pytest.param(["bench", "--min-time", "-1"], "--min-time: expected a positive number", id="min-time"),
+        pytest.param(["bench", "--device", "tpu"], "invalid choice: 'tpu'", id="device"),
+        pytest.param(["bench", "--op", "nope"], "unknown op 'nope'; available: ", id="unknown-op"),
+        pytest.param(["train", "--steps", "0"], "--steps: expected a positive integer, got 0", id="steps0"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(fake_op, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_checks_outputs_before_timing(fake_op, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--op", fake_op, "--csv", str(tmp_path / "missing" / "b.csv")])
+    err = capsys.readouterr().err
+    assert "--csv: directory" in err and "does not exist" in err and "[1/" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_bench_cuda_without_cuda(fake_op, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--op", fake_op, "--device", "cuda"])
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_GRU, reason="tandem.nn.GRU has not landed in this checkout")
+def test_train_demo_runs(capsys):
+    assert main(["train", "--steps", "3", "--batch-size", "8", "--hidden", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "step 3/3  loss " in out and "train accuracy" in out
+
+
+def test_train_without_gru_fails_clearly(monkeypatch, capsys):
+    monkeypatch.delattr(tandem.nn, "GRU", raising=False)
+    assert main(["train", "--steps", "1"]) == 1
+    assert "tandem.nn.GRU is not available" in capsys.readouterr().err
