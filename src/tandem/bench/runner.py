@@ -369,7 +369,9 @@ def run_benchmarks(
     dev = _resolve_device(device)
     names = discover(ops)
     if not names:
-        raise BenchError(f"no benchmarks are registered (none of tandem.bench.{{{','.join(KNOWN_OPS)}}})")
+        raise BenchError(
+            f"no benchmarks are registered: no module tandem.bench.{{{','.join(KNOWN_OPS)}}} is present"
+        )
 
     plan: list[tuple[OpBench, Shape, str]] = []
     for name in names:
