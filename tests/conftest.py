@@ -15,7 +15,10 @@ import torch
 @pytest.fixture(autouse=True)
 def _seed_and_nan_fill():
     torch.manual_seed(0)
-    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])

@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from tandem.nn.gru import GRU
+
+__all__ = ["GRU"]

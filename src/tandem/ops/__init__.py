@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from tandem.ops.gru import gru
+
+__all__ = ["gru"]

@@ -1,0 +1,107 @@
+"""Registration of ``tandem::gru_fwd`` / ``tandem::gru_bwd`` with the dispatcher.
+
+The forward returns the saved activations as extra outputs (custom ops see only their inputs and
+outputs in ``setup_context``); they are marked non-differentiable, and unused outputs get ``None``
+gradients instead of materialised zeros.
+"""
+
+# No ``from __future__ import annotations`` here: torch 2.4's custom_op reads the annotations at
+# registration time and does not resolve string annotations.
+
+import torch
+from torch import Tensor
+
+from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref
+
+__all__ = ["gru_fwd", "gru_bwd"]
+
+
+@torch.library.custom_op("tandem::gru_fwd", mutates_args=())
+def gru_fwd(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(y, h_n, gates, hn, states)`` of one GRU layer; see :func:`gru_fwd_ref` for the shapes."""
+    return gru_fwd_ref(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
+
+
+@gru_fwd.register_fake
+def _gru_fwd_fake(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh):
+    d_, batch, hid = h0.shape
+    total = x.shape[0]
+    states = x.new_empty(d_, total, hid) if d_ == 2 else x.new_empty(0)
+    return (
+        x.new_empty(total, d_ * hid),
+        h0.new_empty(d_, batch, hid),
+        x.new_empty(d_, total, 3 * hid),
+        x.new_empty(d_, total, hid),
+        states,
+    )
+
+
+@torch.library.custom_op("tandem::gru_bwd", mutates_args=())
+def gru_bwd(
+    dy: Tensor | None,
+    dh_n: Tensor | None,
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    y: Tensor,
+    gates: Tensor,
+    hn: Tensor,
+    states: Tensor,
+    has_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dh0, dw_ih, dw_hh, db_ih, db_hh)``; the bias gradients are empty without bias."""
+    return gru_bwd_ref(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias)
+
+
+@gru_bwd.register_fake
+def _gru_bwd_fake(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias):
+    d_ = h0.shape[0]
+    bias = (
+        (w_ih.new_empty(d_, w_ih.shape[1]), w_ih.new_empty(d_, w_ih.shape[1]))
+        if has_bias
+        else (
+            w_ih.new_empty(0),
+            w_ih.new_empty(0),
+        )
+    )
+    return (
+        x.new_empty(x.shape),
+        h0.new_empty(h0.shape),
+        w_ih.new_empty(w_ih.shape),
+        w_hh.new_empty(w_hh.shape),
+        *bias,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, batch_sizes, h0, w_ih, w_hh, b_ih, _ = inputs
+    y, _, gates, hn, states = output
+    ctx.mark_non_differentiable(gates, hn, states)
+    ctx.set_materialize_grads(False)
+    ctx.has_bias = b_ih is not None
+    ctx.save_for_backward(x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states)
+
+
+def _backward(ctx, dy, dh_n, *_):
+    x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states = ctx.saved_tensors
+    if dy is None and dh_n is None:
+        return (None,) * 7
+    dx, dh0, dw_ih, dw_hh, db_ih, db_hh = gru_bwd(
+        dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, ctx.has_bias
+    )
+    if not ctx.has_bias:
+        db_ih = db_hh = None
+    return dx, None, dh0, dw_ih, dw_hh, db_ih, db_hh
+
+
+gru_fwd.register_autograd(_backward, setup_context=_setup_context)

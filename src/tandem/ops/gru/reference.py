@@ -1,0 +1,238 @@
+"""GRU in plain PyTorch: the CPU kernel of ``tandem::gru_fwd`` / ``tandem::gru_bwd`` and the oracle
+the Triton kernels are tested against.
+
+One call runs one layer, both directions at once, over a batch in packed layout:
+
+- ``x`` is ``[P, I]``: the rows of ``PackedSequence.data`` (time-major, step ``t`` holds the first
+  ``batch_sizes[t]`` sequences, sequences sorted by decreasing length). A padded ``[T, B, I]`` batch is
+  the special case ``batch_sizes = [B] * T``.
+- the reverse direction walks each sequence from its own last frame: its step ``s`` reads frame
+  ``len_b - 1 - s`` of sequence ``b``. Both directions therefore have the same active rows at every
+  step (the first ``batch_sizes[s]`` sequences), so one batched matmul serves both and padded frames
+  are never computed.
+
+Saved activations (what the backward needs, so it recomputes nothing) live in "step-packed" buffers:
+row ``offsets[s] + b`` of a direction holds step ``s`` of sequence ``b``. They are direction-major
+(``[D, P, ...]``): each step's slab is D contiguous blocks, and every matmul before or after the time
+loop reads or writes all directions as one batched ``[D, P, ...]`` matmul with no copy (a step-major
+``[T, D, B, ...]`` layout would need a gather of every buffer around those matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["PackedSteps", "gru_fwd_ref", "gru_bwd_ref"]
+
+
+@dataclass
+class PackedSteps:
+    """Index arithmetic of a packed batch, computed once per call from ``batch_sizes``."""
+
+    sizes: list[int]  # active sequences per step, non-increasing
+    offsets: list[int]  # first packed row of each step
+    uniform: bool  # every sequence has the full length T (a padded batch)
+    rev_rows: Tensor | None  # [P] step-packed row of the reverse direction -> time-packed row (involution)
+    prev_rows: Tensor | None  # [P] row of cat(h0, states) holding each step's previous state (packed only)
+    last_rows: Tensor | None  # [B] row of ``states`` holding each sequence's final state (packed only)
+
+    @staticmethod
+    def build(
+        batch_sizes: Tensor, rows: int, batch: int, directions: int, device: torch.device
+    ) -> PackedSteps:
+        sizes = [int(n) for n in batch_sizes.tolist()]
+        if not sizes or sizes[-1] < 1 or any(a < b for a, b in zip(sizes, sizes[1:])):
+            raise ValueError(f"gru: expected batch_sizes non-increasing and positive, got {sizes}")
+        if sum(sizes) != rows:
+            raise ValueError(f"gru: expected sum(batch_sizes) == x.shape[0] = {rows}, got {sum(sizes)}")
+        if sizes[0] != batch:
+            raise ValueError(f"gru: expected batch_sizes[0] == h0.shape[1] = {batch}, got {sizes[0]}")
+        steps = len(sizes)
+        offsets = [0] * steps
+        for s in range(1, steps):
+            offsets[s] = offsets[s - 1] + sizes[s - 1]
+        uniform = sizes[-1] == batch
+        total = offsets[-1] + sizes[-1]
+        rev_rows = prev_rows = last_rows = None
+        if uniform:
+            if directions == 2:
+                # step s of every sequence reads frame T - 1 - s
+                rev_rows = torch.arange(total, device=device).view(steps, batch).flip(0).reshape(-1)
+        else:
+            bs = torch.tensor(sizes)
+            off = torch.tensor(offsets)
+            step_of_row = torch.repeat_interleave(torch.arange(steps), bs)  # [P]
+            seq_of_row = torch.arange(total) - off[step_of_row]  # [P]
+            lengths = (bs.unsqueeze(0) > torch.arange(batch).unsqueeze(1)).sum(1)  # [B]
+            if directions == 2:
+                frame = lengths[seq_of_row] - 1 - step_of_row
+                rev_rows = (off[frame] + seq_of_row).to(device)
+            # rows of cat(h0, states): [0, B) hold h0, step s occupies B + offsets[s] + [0, sizes[s])
+            prev_start = torch.cat([torch.zeros(1, dtype=torch.long), batch + off[:-1]])
+            prev_rows = (prev_start[step_of_row] + seq_of_row).to(device)
+            last_rows = (off[lengths - 1] + torch.arange(batch)).to(device)
+        return PackedSteps(sizes, offsets, uniform, rev_rows, prev_rows, last_rows)
+
+    def split(self, t: Tensor, dim: int = 1) -> tuple[Tensor, ...]:
+        """Per-step views of a step-packed ``[D, P, ...]`` buffer: the loops never slice."""
+        return t.split(self.sizes, dim)
+
+
+def gru_fwd_ref(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One GRU layer, all directions. Returns ``(y, h_n, gates, hn, states)``.
+
+    Shapes: x [P, I], batch_sizes [T] (int64, CPU), h0 [D, B, H], w_ih [D, 3H, I], w_hh [D, 3H, H],
+    b_ih/b_hh [D, 3H] or None; y [P, D*H] (time-packed), h_n [D, B, H]. Saved for the backward:
+    gates [D, P, 3H] (r, z, n), hn [D, P, H] (W_hn h + b_hn) and states [D, P, H] (every step's output
+    state, step-packed). With one direction the states are ``y`` itself and ``states`` is empty.
+    """
+    d_, batch, hid = h0.shape
+    total = x.shape[0]
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device)
+
+    # torch's tanh costs ~5 sigmoids on the CPU, so n = tanh(a) is computed as 2 * sigmoid(2a) - 1, the
+    # factor 2 folded into the n rows of the input projection and into the step's addcmul.
+    n_scale = x.new_tensor([1.0, 1.0, 2.0]).repeat_interleave(hid).unsqueeze(1)  # [3H, 1]
+    # Input projection of every step and both directions in one batched matmul, written in place.
+    xs = x.unsqueeze(0) if d_ == 1 else torch.stack([x, x.index_select(0, steps.rev_rows)])  # [D, P, I]
+    gates = x.new_empty(d_, total, 3 * hid)  # gates: [D, P, 3H]
+    w_in = (w_ih * n_scale).transpose(1, 2)  # [D, I, 3H]
+    if b_ih is not None:
+        torch.baddbmm((b_ih * n_scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
+    else:
+        torch.bmm(xs, w_in, out=gates)
+    del xs
+
+    y = x.new_empty(total, d_ * hid)  # y: [P, D*H], time-packed
+    states = y.view(1, total, hid) if d_ == 1 else x.new_empty(d_, total, hid)  # [D, P, H]
+    hn = x.new_empty(d_, total, hid)  # hn: [D, P, H]
+    # W_hh h + b_hh of one step: a small workspace that stays in cache, of which hn keeps the n part
+    work = x.new_empty(d_ * batch * 3 * hid)
+
+    w_hh_t = w_hh.transpose(1, 2)  # [D, H, 3H]
+    bias_hh = b_hh.unsqueeze(1) if b_hh is not None else None  # [D, 1, 3H]
+    g_rz, g_r, g_z, g_n = (
+        steps.split(gates[..., a:b]) for a, b in ((0, 2 * hid), (0, hid), (hid, 2 * hid), (2 * hid, 3 * hid))
+    )
+    ws = {n: work[: d_ * n * 3 * hid].view(d_, n, 3 * hid) for n in set(steps.sizes)}
+    ws_rz = {n: w[..., : 2 * hid] for n, w in ws.items()}
+    ws_n = {n: w[..., 2 * hid :] for n, w in ws.items()}
+    hn_s, h_out = steps.split(hn), steps.split(states)
+    h_prev = [h0[:, : steps.sizes[0]]] + [h_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
+    for s, n in enumerate(steps.sizes):
+        if bias_hh is not None:
+            torch.baddbmm(bias_hh, h_prev[s], w_hh_t, out=ws[n])
+        else:
+            torch.bmm(h_prev[s], w_hh_t, out=ws[n])
+        g_rz[s].add_(ws_rz[n]).sigmoid_()
+        hn_s[s].copy_(ws_n[n])
+        g_n[s].addcmul_(g_r[s], ws_n[n], value=2.0).sigmoid_().mul_(2.0).sub_(1.0)
+        # h = (1 - z) * n + z * h_prev
+        torch.lerp(g_n[s], h_prev[s], g_z[s], out=h_out[s])
+
+    if d_ == 2:
+        y[:, :hid].copy_(states[0])
+        y[:, hid:].copy_(states[1].index_select(0, steps.rev_rows))
+    h_n = states[:, total - batch :].clone() if steps.uniform else states.index_select(1, steps.last_rows)
+    return y, h_n, gates, hn, states if d_ == 2 else x.new_empty(0)
+
+
+def gru_bwd_ref(
+    dy: Tensor | None,
+    dh_n: Tensor | None,
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    y: Tensor,
+    gates: Tensor,
+    hn: Tensor,
+    states: Tensor,
+    has_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward of :func:`gru_fwd_ref`. Returns ``(dx, dh0, dw_ih, dw_hh, db_ih, db_hh)``.
+
+    ``dy`` [P, D*H] and ``dh_n`` [D, B, H] may be None (that output was not used). The bias gradients
+    are empty tensors when ``has_bias`` is False.
+    """
+    d_, batch, hid = h0.shape
+    total = x.shape[0]
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device)
+    if d_ == 1:
+        states = y.view(1, total, hid)
+
+    # dL/dh from the outputs, step-packed like the states: [D, P, H]
+    if dy is None:
+        grad_out = x.new_zeros(d_, total, hid)
+    elif d_ == 1:
+        grad_out = dy.view(1, total, hid)
+    else:
+        grad_out = x.new_empty(d_, total, hid)
+        grad_out[0].copy_(dy[:, :hid])
+        torch.index_select(dy[:, hid:], 0, steps.rev_rows, out=grad_out[1])
+    if dh_n is None:
+        dh_n = x.new_zeros(d_, batch, hid)
+
+    # Gate gradients per step. dgates holds the hidden-side ones (dr, dz, dn * r): one batched matmul
+    # with W_hh per step and one with the previous states after the loop. The input side differs only
+    # in its n block (dn), kept apart in dn_in.
+    dgates = x.new_empty(d_, total, 3 * hid)  # [D, P, 3H]
+    dn_in = x.new_empty(d_, total, hid)  # [D, P, H]
+
+    r, z, n_gate = (steps.split(gates[..., k * hid : (k + 1) * hid]) for k in range(3))
+    dr, dz, dn_h = (steps.split(dgates[..., k * hid : (k + 1) * hid]) for k in range(3))
+    dg, dn, hn_s = steps.split(dgates), steps.split(dn_in), steps.split(hn)
+    h_new, g_out = steps.split(states), steps.split(grad_out)
+    sizes = steps.sizes
+
+    dh = dh_n[:, : sizes[-1]].clone()
+    for s in range(len(sizes) - 1, -1, -1):
+        n = sizes[s]
+        if s < len(sizes) - 1 and n > sizes[s + 1]:
+            # sequences whose last frame is step s join, carrying the gradient of their h_n
+            dh = torch.cat([dh, dh_n[:, sizes[s + 1] : n]], 1)
+        dh.add_(g_out[s])
+        dh_z = dh * z[s]
+        a = dh - dh_z  # dh * (1 - z)
+        # dz_pre = dh * (h_prev - n) * z * (1 - z) = a * (h - n), since h - n = z * (h_prev - n)
+        torch.sub(h_new[s], n_gate[s], out=dz[s]).mul_(a)
+        # dn_pre = a * (1 - n^2)
+        torch.addcmul(a, a * n_gate[s], n_gate[s], value=-1, out=dn[s])
+        torch.mul(dn[s], r[s], out=dn_h[s])
+        # dr_pre = dn_pre * (W_hn h + b_hn) * r * (1 - r)
+        torch.mul(dn_h[s], hn_s[s], out=dr[s]).addcmul_(dr[s], r[s], value=-1)
+        dh = torch.baddbmm(dh_z, dg[s], w_hh)
+    dh0 = dh
+
+    # dW_hh = sum over steps of dgates^T h_prev, where h_prev is h0 at step 0
+    if steps.uniform:
+        dw_hh = torch.bmm(dgates[:, :batch].transpose(1, 2), h0)
+        dw_hh.baddbmm_(dgates[:, batch:].transpose(1, 2), states[:, : total - batch])
+    else:
+        h_prev = torch.cat([h0, states], 1).index_select(1, steps.prev_rows)
+        dw_hh = torch.bmm(dgates.transpose(1, 2), h_prev)  # [D, 3H, H]
+
+    xs = x.unsqueeze(0) if d_ == 1 else torch.stack([x, x.index_select(0, steps.rev_rows)])  # [D, P, I]
+    d_rz = dgates[..., : 2 * hid]
+    dw_ih = torch.cat([torch.bmm(d_rz.transpose(1, 2), xs), torch.bmm(dn_in.transpose(1, 2), xs)], 1)
+    dxs = torch.baddbmm(torch.bmm(d_rz, w_ih[:, : 2 * hid]), dn_in, w_ih[:, 2 * hid :])  # [D, P, I]
+    dx = dxs[0] if d_ == 1 else dxs[0].index_add_(0, steps.rev_rows, dxs[1])
+
+    if has_bias:
+        db_hh = dgates.sum(1)
+        db_ih = torch.cat([db_hh[:, : 2 * hid], dn_in.sum(1)], 1)
+    else:
+        db_ih, db_hh = x.new_empty(0), x.new_empty(0)
+    return dx, dh0, dw_ih, dw_hh, db_ih, db_hh
