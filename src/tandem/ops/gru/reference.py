@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["PackedSteps", "gru_fwd_ref", "gru_bwd_ref"]
@@ -109,7 +110,9 @@ def gru_fwd_ref(
     gates = x.new_empty(d_, total, 3 * hid)  # gates: [D, P, 3H]
     w_in = (w_ih * n_scale).transpose(1, 2)  # [D, I, 3H]
     if b_ih is not None:
-        torch.baddbmm((b_ih * n_scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
+        # b_hr and b_hz only ever add to the input side: fold them in here, once for all steps
+        bias = b_ih + F.pad(b_hh[:, : 2 * hid], (0, hid))
+        torch.baddbmm((bias * n_scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
     else:
         torch.bmm(xs, w_in, out=gates)
     del xs
@@ -121,7 +124,7 @@ def gru_fwd_ref(
     work = x.new_empty(d_ * batch * 3 * hid)
 
     w_hh_t = w_hh.transpose(1, 2)  # [D, H, 3H]
-    bias_hh = b_hh.unsqueeze(1) if b_hh is not None else None  # [D, 1, 3H]
+    bias_hn = b_hh[:, 2 * hid :].unsqueeze(1) if b_hh is not None else None  # [D, 1, H]
     g_rz, g_r, g_z, g_n = (
         steps.split(gates[..., a:b]) for a, b in ((0, 2 * hid), (0, hid), (hid, 2 * hid), (2 * hid, 3 * hid))
     )
@@ -131,13 +134,13 @@ def gru_fwd_ref(
     hn_s, h_out = steps.split(hn), steps.split(states)
     h_prev = [h0[:, : steps.sizes[0]]] + [h_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
     for s, n in enumerate(steps.sizes):
-        if bias_hh is not None:
-            torch.baddbmm(bias_hh, h_prev[s], w_hh_t, out=ws[n])
-        else:
-            torch.bmm(h_prev[s], w_hh_t, out=ws[n])
+        torch.bmm(h_prev[s], w_hh_t, out=ws[n])
         g_rz[s].add_(ws_rz[n]).sigmoid_()
-        hn_s[s].copy_(ws_n[n])
-        g_n[s].addcmul_(g_r[s], ws_n[n], value=2.0).sigmoid_().mul_(2.0).sub_(1.0)
+        if bias_hn is not None:
+            torch.add(ws_n[n], bias_hn, out=hn_s[s])
+        else:
+            hn_s[s].copy_(ws_n[n])
+        g_n[s].addcmul_(g_r[s], hn_s[s], value=2.0).sigmoid_().mul_(2.0).sub_(1.0)
         # h = (1 - z) * n + z * h_prev
         torch.lerp(g_n[s], h_prev[s], g_z[s], out=h_out[s])
 
