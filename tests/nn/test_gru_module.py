@@ -166,6 +166,19 @@ def test_dropout_between_layers_matches_torch_and_is_off_in_eval():
     torch.testing.assert_close(first, ref(x)[0])
 
 
+def test_input_without_grad_skips_dx_and_keeps_parameter_grads():
+    """Layer 0 of a model gets features that need no gradient: dx is skipped, the rest is unchanged."""
+    ref = torch.nn.GRU(5, 6, num_layers=2, bidirectional=True, dtype=torch.float64)
+    ours = tandem.nn.GRU(5, 6, num_layers=2, bidirectional=True, dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 3, 5, dtype=torch.float64)
+    for module in (ref, ours):
+        out, h_n = module(x)
+        (out.square().sum() + h_n.sum()).backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
 def test_padded_and_packed_agree_on_valid_frames():
     """A packed batch's padded frames leave no trace: each sequence equals its own unpadded run."""
     gru = tandem.nn.GRU(3, 4, bidirectional=True, dtype=torch.float64)
@@ -230,7 +243,10 @@ def test_bad_constructor_arguments_raise_like_torch(kwargs):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_equals_eager(backend: str):
+def test_torch_compile_fullgraph_equals_eager(backend: str, tmp_path, monkeypatch):
+    # a private compile cache: inductor's on-disk cache keys do not cover custom-op schemas
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.compiler.reset()
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -59,12 +59,27 @@ def test_opcheck_fwd(directions, batch_sizes):
 
 
 @pytest.mark.parametrize("directions, batch_sizes", SHAPES)
-def test_opcheck_bwd(directions, batch_sizes):
+@pytest.mark.parametrize("need_dx", [True, False], ids=["dx", "no-dx"])
+def test_opcheck_bwd(directions, batch_sizes, need_dx):
     x, bs, h0, w_ih, w_hh, b_ih, b_hh = (
         t.detach() if t is not None and t.dim() else t for t in _inputs(directions, batch_sizes)
     )
     y, h_n, gates, hn, states = torch.ops.tandem.gru_fwd(x, bs, h0, w_ih, w_hh, b_ih, b_hh)
-    args = (torch.randn_like(y), torch.randn_like(h_n), x, bs, h0, w_ih, w_hh, y, gates, hn, states, True)
+    args = (
+        torch.randn_like(y),
+        torch.randn_like(h_n),
+        x,
+        bs,
+        h0,
+        w_ih,
+        w_hh,
+        y,
+        gates,
+        hn,
+        states,
+        True,
+        need_dx,
+    )
     torch.library.opcheck(torch.ops.tandem.gru_bwd.default, args)
 
 

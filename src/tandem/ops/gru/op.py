@@ -58,13 +58,15 @@ def gru_bwd(
     hn: Tensor,
     states: Tensor,
     has_bias: bool,
+    need_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dx, dh0, dw_ih, dw_hh, db_ih, db_hh)``; the bias gradients are empty without bias."""
-    return gru_bwd_ref(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias)
+    """``(dx, dh0, dw_ih, dw_hh, db_ih, db_hh)``; empty bias gradients without bias, empty dx unless
+    ``need_dx``."""
+    return gru_bwd_ref(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx)
 
 
 @gru_bwd.register_fake
-def _gru_bwd_fake(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias):
+def _gru_bwd_fake(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx):
     d_ = h0.shape[0]
     bias = (
         (w_ih.new_empty(d_, w_ih.shape[1]), w_ih.new_empty(d_, w_ih.shape[1]))
@@ -75,7 +77,7 @@ def _gru_bwd_fake(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states
         )
     )
     return (
-        x.new_empty(x.shape),
+        x.new_empty(x.shape) if need_dx else x.new_empty(0),
         h0.new_empty(h0.shape),
         w_ih.new_empty(w_ih.shape),
         w_hh.new_empty(w_hh.shape),
@@ -96,9 +98,12 @@ def _backward(ctx, dy, dh_n, *_):
     x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states = ctx.saved_tensors
     if dy is None and dh_n is None:
         return (None,) * 7
+    need_dx = ctx.needs_input_grad[0]
     dx, dh0, dw_ih, dw_hh, db_ih, db_hh = gru_bwd(
-        dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, ctx.has_bias
+        dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, ctx.has_bias, need_dx
     )
+    if not need_dx:
+        dx = None
     if not ctx.has_bias:
         db_ih = db_hh = None
     return dx, None, dh0, dw_ih, dw_hh, db_ih, db_hh

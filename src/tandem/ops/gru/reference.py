@@ -164,11 +164,13 @@ def gru_bwd_ref(
     hn: Tensor,
     states: Tensor,
     has_bias: bool,
+    need_dx: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward of :func:`gru_fwd_ref`. Returns ``(dx, dh0, dw_ih, dw_hh, db_ih, db_hh)``.
 
     ``dy`` [P, D*H] and ``dh_n`` [D, B, H] may be None (that output was not used). The bias gradients
-    are empty tensors when ``has_bias`` is False.
+    are empty tensors when ``has_bias`` is False, and ``dx`` is empty when ``need_dx`` is False (the
+    first layer of a model, whose input features need no gradient).
     """
     d_, batch, hid = h0.shape
     total = x.shape[0]
@@ -230,8 +232,11 @@ def gru_bwd_ref(
     xs = x.unsqueeze(0) if d_ == 1 else torch.stack([x, x.index_select(0, steps.rev_rows)])  # [D, P, I]
     d_rz = dgates[..., : 2 * hid]
     dw_ih = torch.cat([torch.bmm(d_rz.transpose(1, 2), xs), torch.bmm(dn_in.transpose(1, 2), xs)], 1)
-    dxs = torch.baddbmm(torch.bmm(d_rz, w_ih[:, : 2 * hid]), dn_in, w_ih[:, 2 * hid :])  # [D, P, I]
-    dx = dxs[0] if d_ == 1 else dxs[0].index_add_(0, steps.rev_rows, dxs[1])
+    if need_dx:
+        dxs = torch.baddbmm(torch.bmm(d_rz, w_ih[:, : 2 * hid]), dn_in, w_ih[:, 2 * hid :])  # [D, P, I]
+        dx = dxs[0] if d_ == 1 else dxs[0].index_add_(0, steps.rev_rows, dxs[1])
+    else:
+        dx = x.new_empty(0)
 
     if has_bias:
         db_hh = dgates.sum(1)
