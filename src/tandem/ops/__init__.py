@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from tandem.ops.adagrad import adagrad
+
+__all__: list[str] = ["adagrad"]
