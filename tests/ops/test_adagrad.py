@@ -247,8 +247,9 @@ def _assert_as_accurate_as_torch(ours, same, exact, atol):
 def test_triton_kernel_matches_reference(hyper, dtype, atol):
     from tandem.ops.adagrad.triton import adagrad_step_triton
 
-    # 0-d, empty, shorter than a block, several chunks with a partial last one (block 16, chunk 32)
-    shapes = [(), (0,), (3,), (70,), (5, 13), (64,)]
+    # empty first (no address to use as base), 0-d, shorter than a block, several chunks with a partial
+    # last one, whole chunks only (block 16, chunk 32)
+    shapes = [(0,), (), (3,), (70,), (5, 13), (64,)]
     ps, gs, ss, ts = _tensors(shapes, dtype, device=TRITON_DEVICE)
     exact, same = _oracle(ps, gs, ss, ts, hyper)
     before = _clone(ps)

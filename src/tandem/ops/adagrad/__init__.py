@@ -149,7 +149,7 @@ def adagrad_unchecked(
         largest = maxima[0].to(device, torch.float32, non_blocking=True)
     else:
         largest = torch.stack([m.to(device, torch.float32, non_blocking=True) for m in maxima]).amax()
-    return torch.nan_to_num(largest, nan=float("inf"))
+    return torch.nan_to_num(largest, nan=float("inf"), posinf=float("inf"))
 
 
 def _on(x: Tensor | None, device: torch.device) -> Tensor | None:

@@ -106,7 +106,7 @@ def _adagrad_block(
 
 @triton.jit
 def _adagrad_step_kernel(
-    base_ptr,  # DTYPE: params[0]; p, g, sum are addressed as element offsets from it
+    base_ptr,  # DTYPE: one of the tensors; p, g, sum are addressed as element offsets from it
     meta_ptr,  # int64 [4 + 5 * n_tensors]: lr, lr_decay, weight_decay, eps; (p, g, sum, step, numel) rows
     chunk_ptr,  # int64 [2, n_chunks]: tensor index, first element
     n_chunks,
@@ -229,41 +229,46 @@ def adagrad_step_triton(
     hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
     device, dtype = params[0].device, params[0].dtype
     size = params[0].element_size()
-    base = params[0].data_ptr()
-    # The kernel sees p, g, sum as flat arrays at whole-element offsets from params[0].
-    flat = [
-        p.is_contiguous()
-        and g.is_contiguous()
-        and s.is_contiguous()
-        and all((x.data_ptr() - base) % size == 0 for x in (p, g, s))
-        for p, g, s in zip(params, grads, state_sums)
-    ]
+    # The kernel's base pointer: any tensor of the group with storage (an empty one may have address 0).
+    anchor = next((p for p in params if p.numel() > 0), params[0])
+    base = anchor.data_ptr()
+    table = [_f64_bits(lr), _f64_bits(lr_decay), _f64_bits(weight_decay), _f64_bits(eps)]
+    numels: list[int] = []
+    keep: list[int] = []
+    rest: list[int] = []
+    aligned = base % 16 == 0
+    # One pass (this runs every step, for every tensor): the kernel sees p, g, sum as flat arrays at
+    # whole-element offsets from params[0]; anything else takes the plain PyTorch path.
+    for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
+        p_ptr, g_ptr, s_ptr = p.data_ptr(), g.data_ptr(), s.data_ptr()
+        flat = p.is_contiguous() and g.is_contiguous() and s.is_contiguous()
+        if not flat or (base | p_ptr | g_ptr | s_ptr) % size:
+            rest.append(i)
+            continue
+        n = p.numel()
+        if not g.numel() == s.numel() == n:  # the kernel would read past the end
+            raise ValueError(f"adagrad: params[{i}], its grad and its sum differ in size")
+        if n == 0:
+            continue
+        aligned = aligned and (p_ptr | g_ptr | s_ptr) % 16 == 0
+        table += ((p_ptr - base) // size, (g_ptr - base) // size, (s_ptr - base) // size, t.data_ptr(), n)
+        numels.append(n)
+        keep.append(i)
+
     maxima = []
-    rest = [i for i, f in enumerate(flat) if not f]
     if rest:
         lists = [[x[i] for i in rest] for x in (params, grads, state_sums, state_steps)]
         m = adagrad_step_ref(*lists, **hyper, grad_scale=grad_scale, found_inf=found_inf, track=track)
         if m is not None:
             maxima.append(m)
-    keep = [i for i, f in enumerate(flat) if f and params[i].numel() > 0]
     if keep:
-        numels = tuple(params[i].numel() for i in keep)
-        table = [_f64_bits(lr), _f64_bits(lr_decay), _f64_bits(weight_decay), _f64_bits(eps)]
-        aligned = base % 16 == 0
-        for i, n in zip(keep, numels):
-            if not grads[i].numel() == state_sums[i].numel() == n:  # the kernel would read past the end
-                raise ValueError(f"adagrad: params[{i}], its grad and its sum differ in size")
-            ptrs = params[i].data_ptr(), grads[i].data_ptr(), state_sums[i].data_ptr()
-            aligned = aligned and all(ptr % 16 == 0 for ptr in ptrs)
-            table += [(ptr - base) // size for ptr in ptrs]
-            table += (state_steps[i].data_ptr(), n)
         meta = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
-        chunks = _chunk_table(numels, chunk, device)
+        chunks = _chunk_table(tuple(numels), chunk, device)
         n_chunks = chunks.shape[1]
         delta = torch.empty(n_chunks if track else 1, dtype=torch.float32, device=device)
         dummy = delta  # never read: the HAS_* flags below are False when the dummy is passed
         _adagrad_step_kernel[(n_chunks,)](
-            params[0],
+            anchor,
             meta,
             chunks,
             n_chunks,
@@ -284,13 +289,12 @@ def adagrad_step_triton(
             enable_fp_fusion=False,  # only the explicit FMAs: the rest rounds as torch does
         )
         # The kernel wrote behind autograd's back: bump the version counters as an in-place op would.
-        _bump_versions([params[i] for i in keep] + [state_sums[i] for i in keep])
-        if grad_scale is not None:
-            _bump_versions([grads[i] for i in keep])
+        bumped = [params[i] for i in keep] + [state_sums[i] for i in keep]
+        _bump_versions(bumped + [grads[i] for i in keep] if grad_scale is not None else bumped)
         if track:
             maxima.append(delta.amax())
     if not track:
         return None
     if not maxima:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.nan_to_num(torch.stack(maxima).amax(), nan=float("inf"))
+    return torch.nan_to_num(torch.stack(maxima).amax(), nan=float("inf"), posinf=float("inf"))
