@@ -182,12 +182,15 @@ def test_state_dict_with_float64_default_dtype_step():
     assert ours.state[p]["step"].item() == 2
 
 
-def test_state_dict_with_wrong_sum_shape_raises():
+def test_state_dict_with_wrong_sum_shape_raises_before_any_change():
     p = torch.nn.Parameter(torch.randn(4))
-    sd = Adagrad([p]).state_dict()
+    sd = copy.deepcopy(Adagrad([p]).state_dict())
     sd["state"][0]["sum"] = torch.zeros(5)
+    sd["param_groups"][0]["lr"] = 0.5
+    opt = Adagrad([p], initial_accumulator_value=0.1)
     with pytest.raises(ValueError, match=r"state\['sum'\] of the shape of its parameter \(4,\), got \(5,\)"):
-        Adagrad([p]).load_state_dict(sd)
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 1e-2 and torch.equal(opt.state[p]["sum"], torch.full((4,), 0.1))
 
 
 def test_state_exists_from_construction_like_torch():

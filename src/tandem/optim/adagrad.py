@@ -123,6 +123,17 @@ class Adagrad(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Also the end of load_state_dict(): states saved by torch.optim.Adagrad (a CPU step, float64
         # under a float64 default dtype, or a Python number in old checkpoints) move to our convention.
+        # A sum of the wrong shape would make the kernels read out of bounds: refuse it before any change.
+        per_param = state.get("state", {})
+        for group in state.get("param_groups", []):
+            for p in group["params"]:
+                total = per_param.get(p, {}).get("sum")
+                if total is not None and (not torch.is_tensor(total) or total.shape != p.shape):
+                    got = tuple(total.shape) if torch.is_tensor(total) else type(total).__name__
+                    raise ValueError(
+                        "Adagrad: expected state['sum'] of the shape of its parameter "
+                        f"{tuple(p.shape)}, got {got}"
+                    )
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("foreach", None)
@@ -133,12 +144,6 @@ class Adagrad(Optimizer):
                 p_state = self.state.get(p)
                 if not p_state or "step" not in p_state:
                     continue
-                total = p_state.get("sum")
-                if not torch.is_tensor(total) or total.shape != p.shape:
-                    raise ValueError(
-                        "Adagrad: expected state['sum'] of the shape of its parameter "
-                        f"{tuple(p.shape)}, got {tuple(total.shape) if torch.is_tensor(total) else total!r}"
-                    )
                 step = p_state["step"]
                 if not torch.is_tensor(step):
                     p_state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
