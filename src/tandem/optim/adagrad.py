@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from tandem.ops.adagrad import adagrad_unchecked
+from tandem.ops.adagrad import adagrad_unchecked, to_device
 
 __all__ = ["Adagrad"]
 
@@ -233,11 +233,11 @@ class Adagrad(Optimizer):
         if track:
             device = self._first_device()
             if maxima:
-                largest = torch.stack([m.to(device, non_blocking=True) for m in maxima]).amax()
+                largest = torch.stack([to_device(m, device) for m in maxima]).amax()
             else:  # no parameter had a gradient: nothing moved
                 largest = torch.zeros((), device=device)
             converged = largest <= self.tol
             if found_inf is not None:  # a skipped step says nothing about convergence
-                converged = converged & (found_inf.to(device, non_blocking=True) == 0)
+                converged = converged & (to_device(found_inf, device) == 0)
             self._max_change, self._converged = largest, converged
         return loss

@@ -9,7 +9,7 @@ from torch.nn import Parameter
 from tandem.ops.adagrad.op import adagrad_step_dispatch
 from tandem.ops.adagrad.reference import adagrad_tensor_ref
 
-__all__ = ["adagrad", "adagrad_unchecked"]
+__all__ = ["adagrad", "adagrad_unchecked", "to_device"]
 
 
 def adagrad(
@@ -33,14 +33,16 @@ def adagrad(
     ``params[i]`` (any shape, real or complex) is updated with ``grads[i]`` (dense or sparse COO, same
     shape) and its accumulator ``state_sums[i]`` (same shape and dtype); ``state_steps[i]`` is its step
     count, a 0-d float32 tensor on the parameter's device, incremented here. Dense tensors are grouped by
-    device and dtype and each group is one ``torch.ops.tandem.adagrad_step`` call (one Triton launch on
-    GPU); sparse gradients and ``differentiable=True`` take the per-tensor PyTorch path.
+    device and dtype and each group is one ``tandem::adagrad_step`` (one Triton launch on GPU, torch's
+    fused kernel on CPU); sparse gradients, tensor subclasses and ``differentiable=True`` take the
+    per-tensor PyTorch path.
 
     ``grad_scale``/``found_inf`` are AMP's, as in torch's fused optimizers: gradients are unscaled in
     place, and a step with ``found_inf == 1`` changes nothing (step counts included).
 
     Returns, when ``return_max_change``, ``max |p_new - p_old|`` over all parameters as a 0-d float32
-    tensor on ``params[0]``'s device (+inf if a change is NaN), computed without a host sync; else None.
+    tensor on ``params[0]``'s device (+inf if a change is NaN), else None. Dense gradients never make the
+    host wait for the device; the per-tensor path reads step counts (and ``found_inf``) as torch's does.
 
     Example::
 
@@ -146,15 +148,20 @@ def adagrad_unchecked(
     if not maxima:
         return torch.zeros((), device=device)
     if len(maxima) == 1:
-        largest = maxima[0].to(device, torch.float32, non_blocking=True)
+        largest = to_device(maxima[0], device).float()
     else:
-        largest = torch.stack([m.to(device, torch.float32, non_blocking=True) for m in maxima]).amax()
+        largest = torch.stack([to_device(m, device).float() for m in maxima]).amax()
     return torch.nan_to_num(largest, nan=float("inf"), posinf=float("inf"))
 
 
 def _on(x: Tensor | None, device: torch.device) -> Tensor | None:
     """AMP's scalars on ``device`` (a no-op when already there; torch's fused path copies them likewise)."""
-    return None if x is None else x.to(device, non_blocking=True)
+    return None if x is None else to_device(x, device)
+
+
+def to_device(x: Tensor, device: torch.device) -> Tensor:
+    """``x`` on ``device`` without waiting for the GPU, except into CPU memory, read right after."""
+    return x.to(device, non_blocking=device.type != "cpu")
 
 
 def _check(i: int, p: Tensor, g: Tensor, s: Tensor, t: Tensor) -> None:
