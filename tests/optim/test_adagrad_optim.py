@@ -375,7 +375,8 @@ def test_sparse_gradients_match_torch(options):
 def test_sparse_gradient_with_weight_decay_raises_before_any_change():
     emb = torch.nn.Embedding(5, 2, sparse=True)
     dense = torch.nn.Parameter(torch.randn(2))
-    opt = Adagrad([dense, emb.weight], weight_decay=0.1)
+    # the dense parameter's group comes first: it must not move either
+    opt = Adagrad([{"params": [dense]}, {"params": [emb.weight]}], weight_decay=0.1)
     (emb(torch.tensor([1, 2])) * dense).sum().backward()
     before = [dense.detach().clone(), emb.weight.detach().clone()]
     with pytest.raises(RuntimeError, match="weight_decay option is not compatible with sparse gradients"):

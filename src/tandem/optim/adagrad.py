@@ -198,20 +198,26 @@ class Adagrad(Optimizer):
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         track = self.tol is not None
+        # Gather every group first: a bad combination raises before any group has moved.
+        work = []
+        for group in self.param_groups:
+            params, grads, sums, steps = [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._init_state(p)
+                params.append(p)
+                grads.append(p.grad)
+                sums.append(state["sum"])
+                steps.append(state["step"])
+            if params:
+                if group["weight_decay"] != 0 and any(g.is_sparse for g in grads):
+                    raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+                work.append((group, params, grads, sums, steps))
+
         maxima: list[Tensor] = []
         with torch.set_grad_enabled(self.defaults["differentiable"]):
-            for group in self.param_groups:
-                params, grads, sums, steps = [], [], [], []
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    state = self._init_state(p)
-                    params.append(p)
-                    grads.append(p.grad)
-                    sums.append(state["sum"])
-                    steps.append(state["step"])
-                if not params:
-                    continue
+            for group, params, grads, sums, steps in work:
                 largest = adagrad_unchecked(
                     params,
                     grads,
