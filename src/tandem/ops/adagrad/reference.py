@@ -17,9 +17,12 @@ Two implementations live here:
 
 When the largest change ``max |p_new - p_old|`` is asked for, the fused path works through slices of
 half a million elements: copy the slice's parameters into a scratch buffer, update the slice, subtract
-and reduce while the slice is still in cache. That adds no pass over main memory, but the three extra
-in-cache passes and their eager ops make a tracked step about 2x an untracked one on CPU (a global pass
-after the update, from ``g`` and the new ``sum``, measured 5x). The Triton kernel tracks for free.
+and reduce while the slice is still in cache. That adds no pass over main memory, but the extra in-cache
+passes (copy, subtract, abs, max) and their eager ops make a tracked step about 2x an untracked one on
+CPU. Measured alternatives: a separate pass after the update over all tensors, from ``g`` and the new
+``sum`` with foreach ops, 5x; the fused update of a zeroed scratch "parameter" per slice (it yields the
+nominal step, not the change, and cannot do weight decay), no faster than the copy. The Triton kernel
+tracks in its single pass.
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 
 
 def fused_adagrad_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's fused CPU kernel updates tensors of this device and dtype exactly as Adagrad would.
+    """Whether tensors of this device and dtype go to torch's fused CPU kernel (when contiguous).
 
     Half types go to the plain path: the fused kernel rounds ``lr`` and ``eps`` to the parameter's dtype,
-    which moves bfloat16 training visibly away from ``torch.optim.Adagrad``'s default path. (The kernel
-    also walks ``p, g, sum`` as flat arrays: each tensor must be contiguous, checked per tensor.)
+    which moves bfloat16 training visibly away from ``torch.optim.Adagrad``'s default path. The kernel
+    walks ``p, g, sum`` as flat arrays by address: each tensor must be contiguous (checked per tensor).
     """
     return hasattr(torch, "_fused_adagrad_") and device.type == "cpu" and dtype in _FUSED_DTYPES
 
