@@ -231,6 +231,10 @@ def adagrad_step_triton(
     """
     from tandem.ops.adagrad.reference import adagrad_step_ref
 
+    if block & (block - 1) or chunk % block:
+        raise ValueError(
+            f"adagrad_step_triton: expected a power-of-two block dividing chunk, got {block=}, {chunk=}"
+        )
     hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
     device, dtype = params[0].device, params[0].dtype
     size = params[0].element_size()
