@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tandem.ops.adagrad import adagrad
 from tandem.ops.gru import gru
 
-__all__ = ["gru"]
+__all__ = ["adagrad", "gru"]

@@ -1,0 +1,208 @@
+"""``tandem.ops.adagrad``: the Adagrad update of many tensors, fused, with the largest change on request."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from tandem.ops.adagrad.op import adagrad_step_dispatch
+from tandem.ops.adagrad.reference import adagrad_tensor_ref
+
+__all__ = ["adagrad", "adagrad_unchecked", "to_device"]
+
+
+def adagrad(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state_sums: list[Tensor],
+    state_steps: list[Tensor],
+    *,
+    lr: float | Tensor,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    eps: float = 1e-10,
+    maximize: bool = False,
+    differentiable: bool = False,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    return_max_change: bool = False,
+) -> Tensor | None:
+    """One Adagrad step of ``params`` in place, as ``torch.optim.adagrad.adagrad`` (the functional API).
+
+    ``params[i]`` (any shape, real or complex) is updated with ``grads[i]`` (dense or sparse COO, same
+    shape) and its accumulator ``state_sums[i]`` (same shape and dtype); ``state_steps[i]`` is its step
+    count, a 0-d float32 tensor on the parameter's device, incremented here. Dense tensors are grouped by
+    device and dtype and each group is one ``tandem::adagrad_step`` (one Triton launch on GPU, torch's
+    fused kernel on CPU); sparse gradients, tensor subclasses and ``differentiable=True`` take the
+    per-tensor PyTorch path.
+
+    ``grad_scale``/``found_inf`` are AMP's, as in torch's fused optimizers: gradients are unscaled in
+    place, and a step with ``found_inf == 1`` changes nothing (step counts included).
+
+    Returns, when ``return_max_change``, ``max |p_new - p_old|`` over all parameters as a 0-d float32
+    tensor on ``params[0]``'s device (+inf if a change is NaN), else None. Dense gradients never make the
+    host wait for the device; the per-tensor path reads step counts (and ``found_inf``) as torch's does.
+
+    Example::
+
+        p = torch.zeros(3)
+        s, t = torch.zeros(3), torch.zeros(())
+        adagrad([p], [torch.ones(3)], [s], [t], lr=0.1, return_max_change=True)  # tensor(0.1000)
+    """
+    n = len(params)
+    if not len(grads) == len(state_sums) == len(state_steps) == n:
+        raise ValueError(
+            "adagrad: expected as many grads, state_sums and state_steps as params "
+            f"({n}), got {len(grads)}, {len(state_sums)} and {len(state_steps)}"
+        )
+    for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
+        _check(i, p, g, s, t)
+    return adagrad_unchecked(
+        params,
+        grads,
+        state_sums,
+        state_steps,
+        lr=lr,
+        lr_decay=lr_decay,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=maximize,
+        differentiable=differentiable,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        return_max_change=return_max_change,
+    )
+
+
+def adagrad_unchecked(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state_sums: list[Tensor],
+    state_steps: list[Tensor],
+    *,
+    lr: float | Tensor,
+    lr_decay: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    differentiable: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    return_max_change: bool,
+) -> Tensor | None:
+    """:func:`adagrad` without the per-tensor argument checks, for callers whose state is known good.
+
+    ``tandem.optim.Adagrad`` creates (or validates on load) every state tensor, and torch checks every
+    ``.grad`` against its parameter; the checks cost ~0.35 us per tensor per step otherwise.
+    """
+    if isinstance(lr, Tensor):
+        lr = lr.item()  # as torch's for-loop path, which passes it on as a Python number
+    if weight_decay != 0 and any(g.is_sparse for g in grads):
+        raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+
+    # Group before touching anything. Tensor subclasses (DTensor, ...) take the per-tensor PyTorch path:
+    # the kernels address plain storage.
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
+    plain: list[int] = []
+    for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
+        if differentiable or g.is_sparse or not (type(p) is Parameter or type(p) is Tensor):
+            plain.append(i)
+            continue
+        if p.is_complex():
+            p, g, s = torch.view_as_real(p), torch.view_as_real(g), torch.view_as_real(s)
+        key = (p.device, p.dtype)
+        lists = groups.get(key)
+        if lists is None:
+            lists = groups[key] = ([], [], [], [])
+        lists[0].append(p)
+        lists[1].append(g)
+        lists[2].append(s)
+        lists[3].append(t)
+
+    maxima: list[Tensor] = []
+    for (device, _), (ps, gs, ss, ts) in groups.items():
+        largest = adagrad_step_dispatch(
+            ps, gs, ss, ts, lr, lr_decay, weight_decay, eps, maximize,
+            _on(grad_scale, device), _on(found_inf, device), return_max_change,
+        )  # fmt: skip
+        if largest is not None:
+            maxima.append(largest)
+
+    if plain:
+        maxima += _plain_step(
+            [params[i] for i in plain],
+            [grads[i] for i in plain],
+            [state_sums[i] for i in plain],
+            [state_steps[i] for i in plain],
+            dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize),
+            differentiable=differentiable,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            track=return_max_change,
+        )
+
+    if not return_max_change:
+        return None
+    device = params[0].device if params else torch.device("cpu")
+    if not maxima:
+        return torch.zeros((), device=device)
+    if len(maxima) == 1:
+        largest = to_device(maxima[0], device).float()
+    else:
+        largest = torch.stack([to_device(m, device).float() for m in maxima]).amax()
+    return torch.nan_to_num(largest, nan=float("inf"), posinf=float("inf"))
+
+
+def _on(x: Tensor | None, device: torch.device) -> Tensor | None:
+    """AMP's scalars on ``device`` (a no-op when already there; torch's fused path copies them likewise)."""
+    return None if x is None else to_device(x, device)
+
+
+def to_device(x: Tensor, device: torch.device) -> Tensor:
+    """``x`` on ``device`` without waiting for the GPU, except into CPU memory, read right after."""
+    return x.to(device, non_blocking=device.type != "cpu")
+
+
+def _check(i: int, p: Tensor, g: Tensor, s: Tensor, t: Tensor) -> None:
+    for name, x in (("grads", g), ("state_sums", s)):
+        if x.shape != p.shape or x.dtype != p.dtype or x.device != p.device:
+            raise ValueError(
+                f"adagrad: expected {name}[{i}] to match params[{i}] (shape {tuple(p.shape)}, {p.dtype}, "
+                f"{p.device}), got shape {tuple(x.shape)}, {x.dtype}, {x.device}"
+            )
+    if s.is_sparse:
+        raise ValueError(f"adagrad: expected state_sums[{i}] to be dense, got a sparse tensor")
+    if t.dtype != torch.float32 or t.device != p.device or t.dim() != 0:
+        raise ValueError(
+            f"adagrad: expected state_steps[{i}] to be a 0-d float32 tensor on {p.device}, "
+            f"got {t.dim()}-d {t.dtype} on {t.device}"
+        )
+
+
+def _plain_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state_sums: list[Tensor],
+    state_steps: list[Tensor],
+    hyper: dict,
+    *,
+    differentiable: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    track: bool,
+) -> list[Tensor]:
+    """Per-tensor PyTorch path (sparse gradients, differentiable steps) with the fused path's AMP rules."""
+    # Reading found_inf syncs with the device; this path is the rare one (torch's fused kernels refuse it).
+    if found_inf is not None and found_inf.item() == 1.0:
+        return [torch.zeros((), device=params[0].device)] if track else []
+    maxima = []
+    for p, g, s, t in zip(params, grads, state_sums, state_steps):
+        if grad_scale is not None:
+            scale = grad_scale.to(g.device)
+            (g._values() if g.is_sparse else g).div_(scale)
+        t += 1
+        m = adagrad_tensor_ref(p, g, s, t.item(), **hyper, differentiable=differentiable, track=track)
+        if m is not None:
+            maxima.append(m.detach())
+    return maxima

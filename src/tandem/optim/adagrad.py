@@ -1,0 +1,249 @@
+"""``tandem.optim.Adagrad``: torch.optim.Adagrad's API and state, a fused update, a device-side ``tol``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from tandem.ops.adagrad import adagrad_unchecked, to_device
+
+__all__ = ["Adagrad"]
+
+
+class Adagrad(Optimizer):
+    r"""Adagrad, a drop-in for :class:`torch.optim.Adagrad` with a fused update and a convergence test.
+
+    Same arguments, defaults, checks, update rule and state (``state["sum"]``, ``state["step"]``) as
+    ``torch.optim.Adagrad``: a ``state_dict()`` of either loads into the other, mid-training. Each
+    ``step()`` runs one fused update per (device, dtype) group of parameters: a multi-tensor Triton
+    kernel on GPU, torch's fused CPU kernel on CPU. ``foreach`` and ``fused`` are accepted (and kept in
+    the parameter groups) for compatibility; they do not change which kernel runs.
+
+    Args:
+        params: iterable of parameters or of dicts defining parameter groups.
+        lr: learning rate (default: 1e-2).
+        lr_decay: learning rate decay: step ``t`` uses ``lr / (1 + (t - 1) * lr_decay)`` (default: 0).
+        weight_decay: L2 penalty (default: 0).
+        initial_accumulator_value: initial value of the sum of squared gradients (default: 0).
+        eps: term added to the denominator (default: 1e-10).
+        foreach, fused: accepted as in torch (``fused`` with ``differentiable`` or ``foreach`` raises).
+        maximize: maximize the objective instead of minimizing it (default: False).
+        differentiable: keep the step on the autograd tape (per-tensor PyTorch path) (default: False).
+        tol: when set, every step also computes ``max |p_new - p_old|`` over all parameters, on their
+            device and inside the fused pass, and :attr:`converged` becomes a 0-d bool tensor that is
+            true when that change is ``<= tol`` (default: None: no tracking).
+
+    Example::
+
+        model = torch.nn.Linear(4, 1)
+        opt = tandem.optim.Adagrad(model.parameters(), lr=0.1, tol=1e-6)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if step % 100 == 0 and opt.converged:  # reading it is the only host sync
+                break
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-2,
+        lr_decay: float = 0,
+        weight_decay: float = 0,
+        initial_accumulator_value: float = 0,
+        eps: float = 1e-10,
+        foreach: bool | None = None,
+        *,
+        maximize: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        tol: float | None = None,
+    ) -> None:
+        # torch.optim.Adagrad's checks and messages, in its order, then tol's.
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not lr_decay >= 0.0:
+            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not initial_accumulator_value >= 0.0:
+            raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0.0):
+            raise ValueError(f"Invalid tol value: {tol} (expected None or a number >= 0)")
+        if fused:
+            if differentiable:
+                raise RuntimeError("`fused` does not support `differentiable`")
+            if foreach:
+                raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            eps=eps,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            foreach=foreach,
+            maximize=maximize,
+            differentiable=differentiable,
+            fused=fused,
+        )
+        super().__init__(params, defaults)
+        self.tol = tol
+        # GradScaler hands grad_scale/found_inf to step() instead of unscaling the grads itself: the
+        # fused update unscales them in its single pass.
+        self._step_supports_amp_scaling = True
+        self._converged: Tensor | None = None
+        self._max_change: Tensor | None = None
+
+        # As torch: the state exists from construction (initial_accumulator_value of the constructor).
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init_state(p)
+
+    def _init_state(self, p: Tensor) -> dict[str, Tensor]:
+        state = self.state[p]
+        if len(state) == 0:
+            init = self.defaults["initial_accumulator_value"]
+            if torch.is_complex(p):
+                init = complex(init, init)
+            # float32 on the parameter's device, as torch's fused path keeps it: the kernels read it there.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["sum"] = torch.full_like(p, init, memory_format=torch.preserve_format)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Also the end of load_state_dict(): states saved by torch.optim.Adagrad (a CPU step, float64
+        # under a float64 default dtype, or a Python number in old checkpoints) move to our convention.
+        # A sum of the wrong shape would make the kernels read out of bounds: refuse it before any change.
+        per_param = state.get("state", {})
+        for group in state.get("param_groups", []):
+            for p in group["params"]:
+                total = per_param.get(p, {}).get("sum")
+                if total is not None and (not torch.is_tensor(total) or total.shape != p.shape):
+                    got = tuple(total.shape) if torch.is_tensor(total) else type(total).__name__
+                    raise ValueError(
+                        "Adagrad: expected state['sum'] of the shape of its parameter "
+                        f"{tuple(p.shape)}, got {got}"
+                    )
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("foreach", None)
+            group.setdefault("maximize", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            for p in group["params"]:
+                p_state = self.state.get(p)
+                if not p_state or "step" not in p_state:
+                    continue
+                step = p_state["step"]
+                if not torch.is_tensor(step):
+                    p_state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+                elif step.dtype != torch.float32 or step.device != p.device:
+                    p_state["step"] = step.to(dtype=torch.float32, device=p.device)
+        self.__dict__.setdefault("tol", None)
+        self.__dict__.setdefault("_converged", None)
+        self.__dict__.setdefault("_max_change", None)
+        self.__dict__.setdefault("_step_supports_amp_scaling", True)
+
+    def share_memory(self) -> None:
+        """Call ``share_memory_()`` on the ``sum`` state tensors (as torch.optim.Adagrad)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"].share_memory_()
+
+    @property
+    def converged(self) -> Tensor:
+        """0-d bool tensor on the parameters' device: the last step's largest change was ``<= tol``.
+
+        False before the first step and after a step that AMP skipped (``found_inf``). Reading its value
+        (``bool(opt.converged)``) is the only host synchronisation.
+        """
+        if self.tol is None:
+            raise RuntimeError("Adagrad: converged is only tracked when tol is set, got tol=None")
+        if self._converged is None:
+            return torch.zeros((), dtype=torch.bool, device=self._first_device())
+        return self._converged
+
+    @property
+    def max_change(self) -> Tensor:
+        """0-d float32 tensor: the last step's ``max |p_new - p_old|`` (+inf before any step, or if NaN)."""
+        if self.tol is None:
+            raise RuntimeError("Adagrad: max_change is only tracked when tol is set, got tol=None")
+        if self._max_change is None:
+            return torch.full((), float("inf"), device=self._first_device())
+        return self._max_change
+
+    def _first_device(self) -> torch.device:
+        for group in self.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        track = self.tol is not None
+        # Gather every group first: a bad combination raises before any group has moved.
+        work = []
+        for group in self.param_groups:
+            params, grads, sums, steps = [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._init_state(p)
+                params.append(p)
+                grads.append(p.grad)
+                sums.append(state["sum"])
+                steps.append(state["step"])
+            if params:
+                if group["weight_decay"] != 0 and any(g.is_sparse for g in grads):
+                    raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+                work.append((group, params, grads, sums, steps))
+
+        maxima: list[Tensor] = []
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            for group, params, grads, sums, steps in work:
+                largest = adagrad_unchecked(
+                    params,
+                    grads,
+                    sums,
+                    steps,
+                    lr=group["lr"],
+                    lr_decay=group["lr_decay"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=group["maximize"],
+                    differentiable=group["differentiable"],
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
+                    return_max_change=track,
+                )
+                if largest is not None:
+                    maxima.append(largest)
+
+        if track:
+            device = self._first_device()
+            if maxima:
+                largest = torch.stack([to_device(m, device) for m in maxima]).amax()
+            else:  # no parameter had a gradient: nothing moved
+                largest = torch.zeros((), device=device)
+            converged = largest <= self.tol
+            if found_inf is not None:  # a skipped step says nothing about convergence
+                converged = converged & (to_device(found_inf, device) == 0)
+            self._max_change, self._converged = largest, converged
+        return loss

@@ -1,0 +1,480 @@
+"""tandem.optim.Adagrad against torch.optim.Adagrad, the reference we did not write.
+
+Trajectories use the flash-attention rule: against a float64 run of torch.optim.Adagrad, our float32 error
+is at most twice torch's own float32 error (``foreach=False``, torch's default on CPU) plus a small atol.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+
+import pytest
+import torch
+
+import tandem
+from tandem.optim import Adagrad
+
+SHAPES = [(), (7,), (5, 3), (33, 17)]  # 0-d included
+
+OPTIONS = [
+    pytest.param({}, id="defaults"),
+    pytest.param({"lr_decay": 0.05}, id="lr_decay"),
+    pytest.param({"weight_decay": 0.1}, id="weight_decay"),
+    pytest.param({"initial_accumulator_value": 0.5}, id="initial_accumulator_value"),
+    pytest.param({"eps": 1e-3}, id="eps"),
+    pytest.param({"maximize": True}, id="maximize"),
+    pytest.param(
+        {
+            "lr": 0.05,
+            "lr_decay": 0.01,
+            "weight_decay": 0.02,
+            "initial_accumulator_value": 0.1,
+            "eps": 1e-6,
+            "maximize": True,
+        },
+        id="all-options",
+    ),  # fmt: skip
+]
+
+
+def _init(shapes=SHAPES, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def _noise(steps, shapes=SHAPES, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes] for _ in range(steps)]
+
+
+def _run(make_opt, init, noise, dtype, start=0, stop=None, params=None, opt=None):
+    """Train ``params`` with gradients ``noise[t] + 0.1 p`` (a gradient that depends on the parameters)."""
+    if params is None:
+        params = [torch.nn.Parameter(x.to(dtype).clone()) for x in init]
+    if opt is None:
+        opt = make_opt(params)
+    for t in range(start, len(noise) if stop is None else stop):
+        for p, n in zip(params, noise[t]):
+            p.grad = (n.to(dtype) + 0.1 * p.detach()).to(dtype)
+        opt.step()
+    return params, opt
+
+
+def _max_err(xs, refs):
+    return max((x.detach().double() - r.detach().double()).abs().max().item() for x, r in zip(xs, refs))
+
+
+def _assert_flash_rule(ours, theirs, ref, atol):
+    err_ours, err_theirs = _max_err(ours, ref), _max_err(theirs, ref)
+    assert err_ours <= 2 * err_theirs + atol, f"tandem error {err_ours:.3g} vs torch {err_theirs:.3g}"
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_trajectory_matches_torch(options):
+    steps = 300
+    init, noise = _init(), _noise(steps)
+    ref, _ = _run(lambda ps: torch.optim.Adagrad(ps, foreach=False, **options), init, noise, torch.float64)
+    theirs, t_opt = _run(
+        lambda ps: torch.optim.Adagrad(ps, foreach=False, **options), init, noise, torch.float32
+    )
+    ours, o_opt = _run(lambda ps: Adagrad(ps, **options), init, noise, torch.float32)
+    _assert_flash_rule(ours, theirs, ref, atol=1e-6)
+    torch.testing.assert_close([p.detach() for p in ours], [p.detach() for p in theirs], rtol=1e-5, atol=1e-5)
+    sums = [o_opt.state[p]["sum"] for p in ours]
+    torch.testing.assert_close(sums, [t_opt.state[p]["sum"] for p in theirs], rtol=1e-5, atol=1e-5)
+    assert all(o_opt.state[p]["step"].item() == steps for p in ours)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "atol"),
+    [
+        pytest.param(torch.float64, 1e-12, id="float64"),
+        pytest.param(torch.bfloat16, 1e-2, id="bfloat16"),
+        pytest.param(torch.float16, 1e-3, id="float16"),
+    ],
+)
+def test_trajectory_other_dtypes(dtype, atol):
+    steps = 60
+    options = {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.02, "maximize": True}
+    init, noise = _init(), _noise(steps)
+    ref, _ = _run(lambda ps: torch.optim.Adagrad(ps, foreach=False, **options), init, noise, torch.float64)
+    theirs, _ = _run(lambda ps: torch.optim.Adagrad(ps, foreach=False, **options), init, noise, dtype)
+    ours, _ = _run(lambda ps: Adagrad(ps, **options), init, noise, dtype)
+    assert all(p.dtype == dtype for p in ours)
+    _assert_flash_rule(ours, theirs, ref, atol=atol)
+
+
+def test_complex_parameters_match_torch():
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen, dtype=torch.complex64) for s in [(), (4,), (3, 5)]]
+    ps_a = [torch.nn.Parameter(x.clone()) for x in init]
+    ps_b = [torch.nn.Parameter(x.clone()) for x in init]
+    options = {"lr": 0.1, "weight_decay": 0.05, "maximize": True, "initial_accumulator_value": 0.2}
+    ours, theirs = Adagrad(ps_a, **options), torch.optim.Adagrad(ps_b, foreach=False, **options)
+    for _ in range(50):
+        for a, b in zip(ps_a, ps_b):
+            g = torch.randn(a.shape, generator=gen, dtype=torch.complex64)
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close([p.detach() for p in ps_a], [p.detach() for p in ps_b], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close([ours.state[p]["sum"] for p in ps_a], [theirs.state[p]["sum"] for p in ps_b])
+
+
+@pytest.mark.parametrize(
+    "receiver",
+    [
+        pytest.param({"foreach": False}, id="into-torch-forloop"),
+        pytest.param({"fused": True}, id="into-torch-fused"),
+        pytest.param({"foreach": True}, id="into-torch-foreach"),
+    ],
+)
+def test_state_dict_exchange_mid_training(receiver):
+    """Ours -> torch and torch -> ours after 40 steps; both end where an uninterrupted torch run ends."""
+    steps, half = 80, 40
+    options = {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.02, "initial_accumulator_value": 0.1}
+    init, noise = _init(), _noise(steps)
+    ref, _ = _run(lambda ps: torch.optim.Adagrad(ps, foreach=False, **options), init, noise, torch.float32)
+
+    # ours for 40 steps, then torch for 40 from our state_dict (through torch.save, as a checkpoint would)
+    ps, ours = _run(lambda ps: Adagrad(ps, **options), init, noise, torch.float32, stop=half)
+    sd = ours.state_dict()
+    assert set(sd["state"][0]) == {"sum", "step"} and torch.is_tensor(sd["state"][0]["step"])
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    theirs = torch.optim.Adagrad(ps, **receiver)
+    theirs.load_state_dict(torch.load(buf))
+    ps, _ = _run(None, init, noise, torch.float32, start=half, params=ps, opt=theirs)
+    torch.testing.assert_close([p.detach() for p in ps], [p.detach() for p in ref], rtol=1e-5, atol=1e-5)
+
+    # torch for 40 steps, then ours from torch's state_dict
+    ps, theirs = _run(
+        lambda ps: torch.optim.Adagrad(ps, **receiver, **options), init, noise, torch.float32, stop=half
+    )
+    ours = Adagrad(ps, tol=1e-3)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    assert ours.param_groups[0]["lr_decay"] == options["lr_decay"]
+    assert all(ours.state[p]["step"].dtype == torch.float32 for p in ps)
+    ps, _ = _run(None, init, noise, torch.float32, start=half, params=ps, opt=ours)
+    torch.testing.assert_close([p.detach() for p in ps], [p.detach() for p in ref], rtol=1e-5, atol=1e-5)
+    assert all(ours.state[p]["step"].item() == steps for p in ps)
+
+
+def test_state_dict_with_float64_default_dtype_step():
+    """torch's for-loop path keeps ``step`` in float64 under a float64 default dtype; we load float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        p = torch.nn.Parameter(torch.randn(3, dtype=torch.float32))
+        theirs = torch.optim.Adagrad([p], foreach=False)
+        p.grad = torch.ones(3, dtype=torch.float32)
+        theirs.step()
+        assert theirs.state[p]["step"].dtype == torch.float64
+        ours = Adagrad([p])
+        ours.load_state_dict(theirs.state_dict())
+    finally:
+        torch.set_default_dtype(previous)
+    assert ours.state[p]["step"].dtype == torch.float32 and ours.state[p]["step"].item() == 1
+    ours.step()
+    assert ours.state[p]["step"].item() == 2
+
+
+def test_state_dict_with_wrong_sum_shape_raises_before_any_change():
+    p = torch.nn.Parameter(torch.randn(4))
+    sd = copy.deepcopy(Adagrad([p]).state_dict())
+    sd["state"][0]["sum"] = torch.zeros(5)
+    sd["param_groups"][0]["lr"] = 0.5
+    opt = Adagrad([p], initial_accumulator_value=0.1)
+    with pytest.raises(ValueError, match=r"state\['sum'\] of the shape of its parameter \(4,\), got \(5,\)"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 1e-2 and torch.equal(opt.state[p]["sum"], torch.full((4,), 0.1))
+
+
+def test_state_exists_from_construction_like_torch():
+    p = torch.nn.Parameter(torch.randn(2, 3))
+    ours, theirs = (
+        Adagrad([p], initial_accumulator_value=0.25),
+        torch.optim.Adagrad([p], initial_accumulator_value=0.25),
+    )
+    assert set(ours.state[p]) == set(theirs.state[p]) == {"sum", "step"}
+    torch.testing.assert_close(ours.state[p]["sum"], theirs.state[p]["sum"])
+    assert ours.state[p]["step"].item() == 0 and ours.state[p]["step"].device == p.device
+
+
+def _quadratic(shapes=((), (5,), (4, 3))):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    targets = [torch.randn(s, generator=gen) for s in shapes]
+    weights = [torch.rand(s, generator=gen) + 0.5 for s in shapes]
+
+    def set_grads():
+        for p, c, a in zip(params, targets, weights):
+            p.grad = a * (p.detach() - c)  # gradient of 0.5 * a * (p - c)^2
+
+    return params, set_grads
+
+
+def test_converged_flag_on_a_quadratic():
+    tol = 1e-4
+    params, set_grads = _quadratic()
+    opt = Adagrad(params, lr=0.5, tol=tol)
+    assert opt.converged.dtype == torch.bool and opt.converged.shape == () and not opt.converged
+    flags = []
+    for _ in range(2000):
+        set_grads()
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        change = max((p.detach() - b).abs().max() for p, b in zip(params, before))
+        assert torch.is_tensor(opt.converged) and opt.converged.device == params[0].device
+        assert opt.max_change.dtype == torch.float32
+        assert opt.max_change.item() == change.item()  # the same float32 subtractions
+        assert bool(opt.converged) == (change.item() <= tol)
+        flags.append(bool(opt.converged))
+        if flags[-1]:
+            break
+    assert flags[-1], "Adagrad should converge on a quadratic within 2000 steps"
+    assert not flags[0]
+
+
+def test_converged_is_computed_without_host_sync(monkeypatch):
+    params, set_grads = _quadratic()
+    opt = Adagrad(params, lr=0.5, tol=1e-4, weight_decay=0.01)
+    set_grads()
+    opt.step()  # state already exists; a first step could not sync anyway
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("a host sync (item/bool/float/int/tolist) during step()")
+
+    set_grads()
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    opt.step()
+    monkeypatch.undo()
+    assert opt.converged.dtype == torch.bool
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_converged_is_computed_without_host_sync_cuda():
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in [(), (100,), (30, 7)]]
+    opt = Adagrad(params, tol=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+        flag = opt.converged
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert flag.device.type == "cuda" and flag.dtype == torch.bool
+
+
+def test_converged_needs_tol():
+    opt = Adagrad([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(RuntimeError, match="tol is set"):
+        opt.converged  # noqa: B018
+
+
+BAD_ARGS = [
+    pytest.param({"lr": -1e-2}, id="lr"),
+    pytest.param({"lr": torch.tensor([0.1, 0.2])}, id="lr-tensor-2-elements"),
+    pytest.param({"lr_decay": -0.5}, id="lr_decay"),
+    pytest.param({"weight_decay": -0.1}, id="weight_decay"),
+    pytest.param({"initial_accumulator_value": -1.0}, id="initial_accumulator_value"),
+    pytest.param({"eps": -1e-10}, id="eps"),
+    pytest.param({"lr": float("nan")}, id="lr-nan"),
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_ARGS)
+def test_bad_hyper_parameters_raise_torchs_error(kwargs):
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError) as theirs:
+        torch.optim.Adagrad(params, **kwargs)
+    with pytest.raises(ValueError, match=re.escape(str(theirs.value))):
+        Adagrad(params, **kwargs)
+
+
+@pytest.mark.parametrize("tol", [-1e-3, float("nan"), "1e-3"], ids=["negative", "nan", "string"])
+def test_bad_tol_raises(tol):
+    with pytest.raises(ValueError, match="Invalid tol value"):
+        Adagrad([torch.nn.Parameter(torch.zeros(3))], tol=tol)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"fused": True, "differentiable": True}, {"fused": True, "foreach": True}],
+    ids=["diff", "foreach"],
+)
+def test_fused_flag_conflicts_raise_like_torch(kwargs):
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(RuntimeError) as theirs:
+        torch.optim.Adagrad(params, **kwargs)
+    with pytest.raises(RuntimeError, match=re.escape(str(theirs.value))):
+        Adagrad(params, **kwargs)
+
+
+def test_nan_and_inf_gradients_behave_as_torch():
+    init = [torch.randn(6), torch.randn(2, 3)]
+    ps_a = [torch.nn.Parameter(x.clone()) for x in init]
+    ps_b = [torch.nn.Parameter(x.clone()) for x in init]
+    ours, theirs = Adagrad(ps_a, tol=1e-3), torch.optim.Adagrad(ps_b, foreach=False)
+    for step in range(3):
+        for a, b in zip(ps_a, ps_b):
+            g = torch.randn(a.shape)
+            if step == 1:
+                g.view(-1)[0], g.view(-1)[1] = float("nan"), float("inf")
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+        if step >= 1:
+            assert not bool(ours.converged) and ours.max_change.item() == float("inf")
+    torch.testing.assert_close([p.detach() for p in ps_a], [p.detach() for p in ps_b], equal_nan=True)
+    sums_a, sums_b = [ours.state[p]["sum"] for p in ps_a], [theirs.state[p]["sum"] for p in ps_b]
+    torch.testing.assert_close(sums_a, sums_b, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="defaults"),
+        pytest.param(
+            {"lr": 0.3, "lr_decay": 0.1, "maximize": True, "initial_accumulator_value": 0.2}, id="options"
+        ),
+    ],
+)
+def test_sparse_gradients_match_torch(options):
+    torch.manual_seed(0)
+    emb_a = torch.nn.Embedding(10, 3, sparse=True)
+    emb_b = copy.deepcopy(emb_a)
+    dense_a = torch.nn.Parameter(torch.randn(3))
+    dense_b = torch.nn.Parameter(dense_a.detach().clone())
+    ours = Adagrad([emb_a.weight, dense_a], tol=1e-2, **options)
+    theirs = torch.optim.Adagrad([emb_b.weight, dense_b], foreach=False, **options)
+    for _ in range(20):
+        idx = torch.randint(0, 10, (6,))  # repeats: the gradient must be coalesced
+        for emb, dense, opt in ((emb_a, dense_a, ours), (emb_b, dense_b, theirs)):
+            opt.zero_grad()
+            ((emb(idx) * dense).sum() ** 2).backward()
+        before = [emb_a.weight.detach().clone(), dense_a.detach().clone()]
+        ours.step()
+        theirs.step()
+        change = max(
+            (emb_a.weight.detach() - before[0]).abs().max(), (dense_a.detach() - before[1]).abs().max()
+        )
+        assert ours.max_change.item() == change.item()
+    torch.testing.assert_close(emb_a.weight, emb_b.weight)
+    torch.testing.assert_close(dense_a, dense_b)
+    torch.testing.assert_close(ours.state[emb_a.weight]["sum"], theirs.state[emb_b.weight]["sum"])
+
+
+def test_sparse_gradient_with_weight_decay_raises_before_any_change():
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    dense = torch.nn.Parameter(torch.randn(2))
+    # the dense parameter's group comes first: it must not move either
+    opt = Adagrad([{"params": [dense]}, {"params": [emb.weight]}], weight_decay=0.1)
+    (emb(torch.tensor([1, 2])) * dense).sum().backward()
+    before = [dense.detach().clone(), emb.weight.detach().clone()]
+    with pytest.raises(RuntimeError, match="weight_decay option is not compatible with sparse gradients"):
+        opt.step()
+    assert torch.equal(dense, before[0]) and torch.equal(emb.weight, before[1])
+    assert opt.state[dense]["step"].item() == 0 and opt.state[emb.weight]["step"].item() == 0
+
+
+def test_amp_grad_scale_and_found_inf_as_torch_fused():
+    """What GradScaler hands an optimizer with ``_step_supports_amp_scaling``, given by hand."""
+    init = [torch.randn(5), torch.randn(2, 3)]
+    ps_a = [torch.nn.Parameter(x.clone()) for x in init]
+    ps_b = [torch.nn.Parameter(x.clone()) for x in init]
+    ours, theirs = Adagrad(ps_a, lr=0.1, tol=1.0), torch.optim.Adagrad(ps_b, lr=0.1, fused=True)
+    assert ours._step_supports_amp_scaling
+    for found in (0.0, 1.0, 0.0):
+        for a, b in zip(ps_a, ps_b):
+            g = torch.randn(a.shape) * 1024
+            a.grad, b.grad = g.clone(), g.clone()
+        for opt in (ours, theirs):
+            opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(found)
+            opt.step()
+            del opt.grad_scale, opt.found_inf
+        assert bool(ours.converged) == (found == 0.0)  # a skipped step is not a converged one
+        # unscaled in place (or, skipped, not at all)
+        torch.testing.assert_close([p.grad for p in ps_a], [p.grad for p in ps_b])
+    torch.testing.assert_close([p.detach() for p in ps_a], [p.detach() for p in ps_b])
+    assert (
+        [ours.state[p]["step"].item() for p in ps_a]
+        == [theirs.state[p]["step"].item() for p in ps_b]
+        == [2, 2]
+    )
+
+
+def test_grad_scaler_end_to_end_matches_torch_fused():
+    torch.manual_seed(0)
+    model_a = torch.nn.Linear(4, 2)
+    model_b = copy.deepcopy(model_a)
+    ours, theirs = (
+        Adagrad(model_a.parameters(), lr=0.1),
+        torch.optim.Adagrad(model_b.parameters(), lr=0.1, fused=True),
+    )
+    scalers = [
+        torch.amp.GradScaler("cpu", init_scale=2.0**10),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10),
+    ]
+    for step in range(6):
+        x = torch.randn(8, 4)
+        if step == 2:
+            x[0, 0] = float("inf")  # an overflowing step: both skip it and lower the scale
+        for model, opt, scaler in ((model_a, ours, scalers[0]), (model_b, theirs, scalers[1])):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 2.0**10
+    torch.testing.assert_close(list(model_a.parameters()), list(model_b.parameters()))
+
+
+def test_differentiable_step_matches_torch():
+    def step_output(opt_cls, p, g, s):
+        q = p.clone()  # a non-leaf parameter: only differentiable optimizers accept it
+        q.grad = g
+        opt = opt_cls([q], lr=0.1, weight_decay=0.05, differentiable=True)
+        opt.state[q]["sum"] = s.clone()
+        opt.step()
+        return q
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    s = torch.rand(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    ours = step_output(Adagrad, p, g, s)
+    theirs = step_output(torch.optim.Adagrad, p, g, s)
+    torch.testing.assert_close(ours, theirs)
+    d_ours = torch.autograd.grad(ours.sum(), (p, g, s))
+    d_theirs = torch.autograd.grad(theirs.sum(), (p, g, s))
+    torch.testing.assert_close(d_ours, d_theirs)
+
+
+def test_param_groups_missing_grads_tensor_lr_and_closure():
+    a, b, c = (torch.nn.Parameter(torch.randn(3)) for _ in range(3))
+    a2, b2, c2 = (torch.nn.Parameter(x.detach().clone()) for x in (a, b, c))
+    groups = lambda x, y, z: [{"params": [x, y]}, {"params": [z], "lr": 0.5}]  # noqa: E731
+    ours = Adagrad(groups(a, b, c), lr=torch.tensor(0.1), tol=1e-6)
+    theirs = torch.optim.Adagrad(groups(a2, b2, c2), lr=torch.tensor(0.1), foreach=False)
+    for x, y in ((a, a2), (c, c2)):  # b gets no gradient: it must not move, and its state stays
+        x.grad = torch.ones(3)
+        y.grad = torch.ones(3)
+    loss = ours.step(closure=lambda: torch.tensor(3.0))
+    theirs.step()
+    assert loss.item() == 3.0
+    torch.testing.assert_close([a, b, c], [a2, b2, c2])
+    assert ours.state[b]["step"].item() == 0 and ours.state[c]["step"].item() == 1
+
+
+def test_exported_from_tandem_and_share_memory():
+    assert tandem.optim.Adagrad is Adagrad
+    opt = Adagrad([torch.nn.Parameter(torch.zeros(2))])
+    opt.share_memory()
+    assert all(opt.state[p]["sum"].is_shared() for p in opt.param_groups[0]["params"])
