@@ -43,6 +43,8 @@ def run_group(tmp: Path, scenario: str, world: int, timeout_s: float, **options:
             p.join(max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             if p.is_alive():
                 p.kill()
             p.join(5)
@@ -223,11 +225,88 @@ def test_stalled_rank_makes_the_others_raise_after_the_timeout(tmp_path):
     assert timeout - 0.1 < res["elapsed"] < timeout + 2.0, res
 
 
-def test_arguments_are_checked():
-    module = torch.nn.Linear(2, 2)
+def test_needs_a_process_group():
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
-            tandem.parallel.DistributedDataParallel(module)
+            tandem.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# one rank, in this process: exactness, arguments, hooks, errors
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_one_rank_is_exact_and_sends_nothing(one_rank):
+    model, bare = w.mlp(), w.mlp()
+    ddp = tandem.parallel.DistributedDataParallel(model)
+    with pytest.raises(RuntimeError, match="no synchronised backward"):
+        ddp.stats()
+    w.train(ddp, 3, 1, 0)
+    w.train(bare, 3, 1, 0)
+    assert_same_state(w.params(model), w.params(bare), rtol=0, atol=0)
+    st = ddp.stats()
+    assert st.buckets == 0 and st.bytes_sent == 0 and st.backward_s > 0
+    assert all(b._buffer is None for b in ddp._buckets)  # no bucket memory either
+    assert list(ddp.state_dict()) == [f"module.{k}" for k in bare.state_dict()]
+
+
+def test_one_rank_runs_a_registered_hook(one_rank):
+    model, bare = w.mlp(torch.float32), w.mlp(torch.float32)
+    ddp = tandem.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, tandem.parallel.hooks.fp16_compress_hook)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook(None, tandem.parallel.hooks.bf16_compress_hook)
+    x, y = w.batch(0, 1)
+    w.loss_fn(ddp(x.float()), y).backward()
+    w.loss_fn(bare(x.float()), y).backward()
+    for p, q in zip(model.parameters(), bare.parameters()):
+        assert torch.equal(p.grad, q.grad.half().float())
+    assert ddp.stats().bytes_sent == sum(p.numel() * 2 for p in model.parameters())
+
+
+def test_one_rank_unused_parameters(one_rank):
+    x, y = w.batch(0, 1)
+    ddp = tandem.parallel.DistributedDataParallel(w.Branchy())
+    with pytest.raises(RuntimeError, match=r"received no gradient.*'c.weight'.*find_unused_parameters=True"):
+        w.loss_fn(ddp(x, False), y).backward()
+    model = w.Branchy()
+    ddp = tandem.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    w.loss_fn(ddp(x, False), y).backward()
+    assert model.c.weight.grad is None and model.a.weight.grad is not None
+    w.loss_fn(ddp(x, True), y).backward()
+    assert model.c.weight.grad is not None
+
+
+def test_one_rank_argument_errors(one_rank):
+    make = tandem.parallel.DistributedDataParallel
+    with pytest.raises(ValueError, match="device_ids"):
+        make(torch.nn.Linear(2, 2), device_ids=[0])
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        make(torch.nn.Linear(2, 2), bucket_cap_mb=-1)
+    with pytest.raises(ValueError, match="timeout"):
+        make(torch.nn.Linear(2, 2), timeout=0)
+    with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
+        make(torch.nn.Linear(2, 2).requires_grad_(False))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        make(lambda x: x)
+    ddp = make(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="callable"):
+        ddp.register_comm_hook(None, "fp16")
+
+    ddp = make(torch.nn.Linear(2, 2))
+    ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())  # not a future
+    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        ddp(torch.randn(3, 2)).sum().backward()
 
 
 def test_bucket_assignment():

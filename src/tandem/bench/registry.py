@@ -43,6 +43,7 @@ class OpBench:
     # How to time a thunk: "timer" (in-process timing of the thunk) is the default; an op whose thunk
     # measures itself (multi-process benchmarks) returns a list of per-repeat seconds and sets "self".
     timing: str = "timer"
+    # extra["summary"], if present: rows of this op -> text that ``tandem bench`` prints under the table.
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -101,6 +101,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"command: {getattr(args, 'command_line', parser.prog)}")
         print()
         print(runner.format_table(rows))
+        for op in dict.fromkeys(r.op for r in rows):
+            # An op may add lines of its own under the table (ddp: overlap efficiency and overhead).
+            summarize = runner.REGISTRY[op].extra.get("summary") if op in runner.REGISTRY else None
+            if summarize is not None:
+                print()
+                print(summarize([r for r in rows if r.op == op]))
     else:
         print("tandem bench: nothing to time (no shape for this device / --quick)", file=sys.stderr)
     if args.csv:

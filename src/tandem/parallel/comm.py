@@ -18,22 +18,29 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-__all__ = ["CommunicationError", "watch", "wait_until", "broadcast_coalesced", "check_same_on_all_ranks"]
+__all__ = [
+    "CommunicationError",
+    "watch",
+    "wait_event",
+    "result",
+    "broadcast_coalesced",
+    "check_same_on_all_ranks",
+]
 
 
 class CommunicationError(RuntimeError):
     """A collective failed or did not complete in time: a peer rank has probably died or is stuck."""
 
 
-def watch(fut: Future, on_done: Callable[[], None] | None = None) -> threading.Event:
-    """An event set when ``fut`` completes (with a value or an error); ``on_done`` runs first."""
+def watch(fut: Future, on_done: Callable[[Future], None] | None = None) -> threading.Event:
+    """An event set when ``fut`` completes (with a value or an error); ``on_done(fut)`` runs first."""
     event = threading.Event()
 
-    def done(_: Future) -> None:
-        # Runs on the backend's thread: no exceptions out of here, whatever on_done does.
+    def done(f: Future) -> None:
+        # Runs on the backend's thread, where an exception would be lost: on_done keeps its own errors.
         try:
             if on_done is not None:
-                on_done()
+                on_done(f)
         finally:
             event.set()
 
@@ -41,11 +48,9 @@ def watch(fut: Future, on_done: Callable[[], None] | None = None) -> threading.E
     return event
 
 
-def wait_until(fut: Future, event: threading.Event, deadline: float, what: str, timeout: float):
-    """The value of ``fut``, waiting for ``event`` until ``deadline`` (``time.monotonic()`` seconds).
-
-    Raises :class:`CommunicationError` naming ``what`` if the deadline passes or the operation fails.
-    """
+def wait_event(event: threading.Event, deadline: float, what: str, timeout: float) -> None:
+    """Wait for ``event`` until ``deadline`` (``time.monotonic()`` seconds), else raise
+    :class:`CommunicationError` naming ``what``."""
     if not event.wait(max(0.0, deadline - time.monotonic())):
         rank = dist.get_rank() if dist.is_initialized() else "?"
         raise CommunicationError(
@@ -53,6 +58,10 @@ def wait_until(fut: Future, event: threading.Event, deadline: float, what: str, 
             "another rank of the process group has probably died or is stuck. If ranks may legitimately "
             "fall this far apart (one rank writing a checkpoint), pass a larger timeout=."
         )
+
+
+def result(fut: Future, what: str):
+    """The value of the completed ``fut``; its error as a :class:`CommunicationError` naming ``what``."""
     try:
         return fut.wait()  # done already; wait() also orders CUDA streams after the result
     except Exception as e:
@@ -64,7 +73,8 @@ def wait_until(fut: Future, event: threading.Event, deadline: float, what: str, 
 
 def _run(work: dist.Work, deadline: float, what: str, timeout: float):
     fut = work.get_future()
-    return wait_until(fut, watch(fut), deadline, what, timeout)
+    wait_event(watch(fut), deadline, what, timeout)
+    return result(fut, what)
 
 
 def broadcast_coalesced(

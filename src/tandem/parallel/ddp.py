@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import queue
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -39,8 +41,8 @@ from tandem.parallel.comm import (
     CommunicationError,
     broadcast_coalesced,
     check_same_on_all_ranks,
-    wait_until,
-    watch,
+    result,
+    wait_event,
 )
 
 __all__ = ["DistributedDataParallel", "DDPStats", "DEFAULT_TIMEOUT_S"]
@@ -51,6 +53,7 @@ _DEFAULT_BUCKET_CAP_MB = 25
 # torch's default too: a small first bucket, so the last layers' gradients go out without waiting for
 # 25 MB of the layers below them.
 _FIRST_BUCKET_BYTES = 1 * _MB
+_MIN_BUCKETS = 16
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class DDPStats:
         averaged gradients to ``.grad``: the communication that did not overlap.
     bytes_sent: payload handed to the collectives (the compressed size with tandem's fp16/bf16
         hooks); a ring all-reduce moves about twice that over each link.
-    buckets: how many buckets were all-reduced.
+    buckets: how many buckets were all-reduced (0 for one rank without a hook: nothing to average).
     """
 
     backward_s: float
@@ -85,45 +88,66 @@ class _Bucket:
     __slots__ = (
         "index",
         "members",
-        "buffer",
-        "views",
+        "numel",
+        "nbytes",
+        "_shapes",
+        "_dtype",
+        "_device",
+        "_buffer",
+        "_views",
         "pending",
         "future",
         "event",
         "launch_t",
         "done_t",
         "sent_bytes",
+        "copied",
+        "error",
     )
 
     def __init__(self, index: int, members: list[int], params: list[Tensor]) -> None:
         self.index = index
         self.members = members
+        self._shapes = [params[i].shape for i in members]
         first = params[members[0]]
-        total = sum(params[i].numel() for i in members)
-        self.buffer = torch.empty(total, dtype=first.dtype, device=first.device)  # [sum of numels]
-        self.views: list[Tensor] = []
-        offset = 0
-        for i in members:
-            n = params[i].numel()
-            self.views.append(self.buffer[offset : offset + n].view(params[i].shape))
-            offset += n
+        self._dtype, self._device = first.dtype, first.device
+        self.numel = sum(params[i].numel() for i in members)
+        self.nbytes = self.numel * first.element_size()
+        # Allocated on first use: a group of one rank without a hook never needs the memory.
+        self._buffer: Tensor | None = None
+        self._views: list[Tensor] = []
         self.reset()
+
+    def _allocate(self) -> None:
+        self._buffer = torch.empty(self.numel, dtype=self._dtype, device=self._device)  # [sum of numels]
+        offset = 0
+        for shape in self._shapes:
+            n = shape.numel()
+            self._views.append(self._buffer[offset : offset + n].view(shape))
+            offset += n
+
+    @property
+    def buffer(self) -> Tensor:
+        if self._buffer is None:
+            self._allocate()
+        return self._buffer
+
+    @property
+    def views(self) -> list[Tensor]:
+        """One view of the buffer per member parameter, shaped like it."""
+        if self._buffer is None:
+            self._allocate()
+        return self._views
 
     def reset(self) -> None:
         self.pending = len(self.members)
         self.future: Future | None = None
-        self.event = None
+        self.event = threading.Event()  # set once the all-reduce has finished (or failed to start)
         self.launch_t = 0.0
         self.done_t = 0.0
         self.sent_bytes = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-
-def _mark_done(bucket: _Bucket) -> None:
-    bucket.done_t = time.perf_counter()
+        self.copied = False  # the reduced values are in .grad already (copied when the all-reduce ended)
+        self.error: Exception | None = None  # raised by the waiting thread
 
 
 def _tensors_in(obj: Any) -> Iterator[Tensor]:
@@ -240,14 +264,25 @@ class DistributedDataParallel(torch.nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self._src = dist.get_process_group_ranks(process_group)[0] if self.world_size > 1 else 0
         self._comm_device = next(iter(module.parameters())).device
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
         if bucket_cap_mb is None:
-            self._caps = [_FIRST_BUCKET_BYTES, _DEFAULT_BUCKET_CAP_MB * _MB]
+            # torch's 25 MiB, but at least ~16 buckets for smaller models: the last bucket's all-reduce
+            # cannot overlap anything, so it should be a small part of the whole.
+            total = sum(p.numel() * p.element_size() for p in self._params)
+            cap = min(_DEFAULT_BUCKET_CAP_MB * _MB, max(_FIRST_BUCKET_BYTES, total // _MIN_BUCKETS))
+            self._caps = [_FIRST_BUCKET_BYTES, cap]
         else:
             self._caps = [int(bucket_cap_mb * _MB)]
         self.bucket_bytes_cap = self._caps[-1]
-
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        # Copies are memory passes that need not hold up backward. For CPU buckets the gradients go into
+        # their bucket, and buckets are launched, on a communication thread (one per wrapper, in order,
+        # so collectives are issued in the same order on every rank); the thread that completes an
+        # all-reduce copies the result back to .grad (unless find_unused_parameters needs the used map
+        # first). CUDA copies are asynchronous already and stay on the caller's stream.
+        on_cpu = self._comm_device.type == "cpu"
+        self._comm_thread = _CommThread() if on_cpu and not gradient_as_bucket_view else None
+        self._copy_when_done = on_cpu and not find_unused_parameters and not gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._sync_module_state()
 
@@ -472,7 +507,7 @@ class DistributedDataParallel(torch.nn.Module):
                 self._fill_unused(j)
         bucket, pos = self._slot[i]
         if self._ready[i]:
-            if bucket.future is not None or self._fired[i]:
+            if bucket.index < self._next_bucket or self._fired[i]:  # submitted for launch already
                 self._expect_hooks = self._in_backward = False
                 self._reset_iteration()
                 raise RuntimeError(
@@ -491,26 +526,24 @@ class DistributedDataParallel(torch.nn.Module):
         if self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
             self._launch_ready()
 
+    @property
+    def _identity(self) -> bool:
+        """One rank and no hook: the average is the local gradient, so nothing is copied or sent."""
+        return self.world_size == 1 and self._comm_hook is None
+
     def _copy_in(self, bucket: _Bucket, pos: int, grad: Tensor | None, param: Tensor, repoint: bool) -> None:
+        if grad is not None and grad.layout != torch.strided:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {self._names[self._index_of[id(param)]]!r} has a "
+                f"{grad.layout} gradient; tandem only reduces dense gradients (use torch's DDP)"
+            )
+        if self._identity:
+            return
         view = bucket.views[pos]
         # Without a hook the average is taken here, on the copy (torch's reducer does the same); a hook
         # receives raw gradients and divides itself.
         scale = 1.0 / self.world_size if self._comm_hook is None else 1.0
-        with torch.no_grad():
-            if grad is None:
-                view.zero_()
-            elif grad.layout != torch.strided:
-                raise RuntimeError(
-                    f"DistributedDataParallel: parameter {self._names[self._index_of[id(param)]]!r} has a "
-                    f"{grad.layout} gradient; tandem only reduces dense gradients (use torch's DDP)"
-                )
-            elif grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
-                if scale != 1.0:  # .grad already is the bucket view (gradient_as_bucket_view)
-                    view.mul_(scale)
-            elif scale != 1.0:
-                torch.mul(grad, scale, out=view)
-            else:
-                view.copy_(grad)
+        self._submit(functools.partial(_copy_scaled, view, grad, scale))
         if repoint and self.gradient_as_bucket_view and param.grad is not view:
             param.grad = view
 
@@ -527,10 +560,25 @@ class DistributedDataParallel(torch.nn.Module):
         """Launch, in order, every complete bucket from the next one on (same order on every rank)."""
         buckets = self._buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
-            self._launch(buckets[self._next_bucket])
+            if not self._identity:
+                self._submit(functools.partial(self._launch, buckets[self._next_bucket]))
             self._next_bucket += 1
 
+    def _submit(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the communication thread (in submission order), or here for CUDA buckets."""
+        if self._comm_thread is not None:
+            self._comm_thread.submit(task)
+        else:
+            task()
+
     def _launch(self, bucket: _Bucket) -> None:
+        try:
+            self._start(bucket)
+        except Exception as e:  # kept for the waiting thread (this may be the communication thread)
+            bucket.error = e
+            bucket.event.set()
+
+    def _start(self, bucket: _Bucket) -> None:
         bucket.launch_t = time.perf_counter()
         if self._comm_hook is None:
             fut = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
@@ -553,7 +601,7 @@ class DistributedDataParallel(torch.nn.Module):
             sent = grad_bucket._sent_bytes
             bucket.sent_bytes = bucket.nbytes if sent is None else sent
         bucket.future = fut
-        bucket.event = watch(fut, functools.partial(_mark_done, bucket))
+        fut.add_done_callback(functools.partial(_bucket_done, weakref.ref(self), bucket))
 
     def _finish_backward(self) -> None:
         t_local_end = time.perf_counter()
@@ -582,7 +630,7 @@ class DistributedDataParallel(torch.nn.Module):
             comm_s=_union_length([(a, b) for a, b, _ in stats_inputs]),
             wait_s=time.perf_counter() - t_local_end,
             bytes_sent=sum(s for _, _, s in stats_inputs) + self._used_map_bytes(),
-            buckets=len(buckets),
+            buckets=len(stats_inputs),
         )
         if not self._rebuilt:
             self._rebuild(order)
@@ -605,36 +653,48 @@ class DistributedDataParallel(torch.nn.Module):
             for i in missing:
                 self._fill_unused(i)
             self._launch_ready()
+        if self._identity:
+            return  # .grad already holds the average of one rank: untouched, as torch leaves unused ones
 
         deadline = time.monotonic() + self.timeout
         skip: list[bool] | None = None
         if self.find_unused_parameters:
             # A parameter no rank used (this step or in no_sync() steps before it) keeps its .grad
-            # untouched, as with torch.
+            # untouched, as with torch. Issued after the buckets, by the thread that issued them.
             used = [a | b for a, b in zip(self._fired, self._used_since_sync)]
             counts = torch.tensor(used, dtype=torch.int32, device=self._comm_device)
-            fut = dist.all_reduce(counts, group=self.process_group, async_op=True).get_future()
+            op = _Op()
+            self._submit(functools.partial(op.all_reduce, counts, self.process_group))
             what = "the all-reduce of the used-parameter map"
-            wait_until(fut, watch(fut), deadline, what, self.timeout)
+            wait_event(op.event, deadline, what, self.timeout)
+            if op.error is not None:
+                raise op.error
+            result(op.future, what)
             skip = [c == 0 for c in counts.tolist()]
 
         nbuckets = len(self._buckets)
         for b in self._buckets:
             what = (
                 f"the all-reduce of gradient bucket {b.index} of {nbuckets} "
-                f"({b.nbytes / _MB:.2f} MiB, {len(b.members)} parameters)"
+                f"({_size(b.nbytes)}, {len(b.members)} parameters)"
             )
-            result = wait_until(b.future, b.event, deadline, what, self.timeout)
-            self._copy_out(b, result, skip)
+            wait_event(b.event, deadline, what, self.timeout)
+            if b.error is not None:
+                raise b.error
+            reduced = result(b.future, what)
+            if not b.copied:
+                self._copy_out(b, reduced, skip)
+        if self._comm_thread is not None and self._comm_thread.errors:
+            raise self._comm_thread.errors.pop(0)
 
     def _copy_out(self, bucket: _Bucket, result: Any, skip: list[bool] | None) -> None:
         """Write bucket ``bucket``'s reduced values (the collective's or hook's result) to ``.grad``."""
         flat = result[0] if isinstance(result, (list, tuple)) else result
-        if not isinstance(flat, Tensor) or flat.numel() != bucket.buffer.numel():
+        if not isinstance(flat, Tensor) or flat.numel() != bucket.numel:
             got = f"{flat.numel()} elements" if isinstance(flat, Tensor) else type(flat).__name__
             raise RuntimeError(
                 f"DistributedDataParallel: the communication hook's future for bucket {bucket.index} "
-                f"returned {got}; expected a tensor of {bucket.buffer.numel()} elements"
+                f"returned {got}; expected a tensor of {bucket.numel} elements"
             )
         with torch.no_grad():
             in_place = flat.data_ptr() == bucket.buffer.data_ptr()
@@ -683,7 +743,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         self._build_buckets(order)
         self._reset_iteration()
-        if self.gradient_as_bucket_view:
+        if self.gradient_as_bucket_view and not self._identity:
             with torch.no_grad():
                 for b in self._buckets:
                     for pos, i in enumerate(b.members):
@@ -698,6 +758,68 @@ class DistributedDataParallel(torch.nn.Module):
         except CommunicationError as e:
             self._failure = e
             raise
+
+
+def _copy_scaled(view: Tensor, grad: Tensor | None, scale: float) -> None:
+    """``view = grad * scale`` (zeros for no gradient); nothing if ``grad`` already is ``view``."""
+    with torch.no_grad():
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+            if scale != 1.0:  # .grad already is the bucket view (gradient_as_bucket_view)
+                view.mul_(scale)
+        elif scale != 1.0:
+            torch.mul(grad, scale, out=view)
+        else:
+            view.copy_(grad)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / _MB:.1f} MiB" if nbytes >= _MB // 10 else f"{nbytes / 1024:.1f} KiB"
+
+
+class _Op:
+    """An asynchronous collective of ours other than a bucket (the used-parameter map)."""
+
+    def __init__(self) -> None:
+        self.future: Future | None = None
+        self.event = threading.Event()
+        self.error: Exception | None = None
+
+    def all_reduce(self, tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+        try:
+            self.future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+            self.future.add_done_callback(lambda _: self.event.set())
+        except Exception as e:
+            self.error = e
+            self.event.set()
+
+
+class _CommThread:
+    """A daemon thread running submitted tasks in order: gradient copies and bucket launches.
+
+    Tasks hold what they need; the thread holds nothing else, and stops when its owner is collected.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.errors: list[Exception] = []  # what tasks raised, for the waiting thread to raise
+        self._thread = threading.Thread(
+            target=self._run, args=(self._tasks, self.errors), daemon=True, name="tandem-ddp-comm"
+        )
+        self._thread.start()
+        weakref.finalize(self, self._tasks.put, None)
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._tasks.put(task)
+
+    @staticmethod
+    def _run(tasks: queue.SimpleQueue, errors: list[Exception]) -> None:
+        while (task := tasks.get()) is not None:
+            try:
+                task()
+            except Exception as e:
+                errors.append(e)
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -721,6 +843,20 @@ def _output_grad_hook(ref: weakref.ref, grad: Tensor) -> None:
     ddp = ref()
     if ddp is not None and ddp._expect_hooks and not ddp._in_backward:
         ddp._begin_backward()
+
+
+def _bucket_done(ref: weakref.ref, bucket: _Bucket, fut: Future) -> None:
+    """Runs on the thread that completed a bucket's all-reduce (or hook): copy back, then tell."""
+    bucket.done_t = time.perf_counter()
+    try:
+        ddp = ref()
+        if ddp is not None and ddp._copy_when_done:
+            ddp._copy_out(bucket, fut.value(), None)  # value() raises if the all-reduce failed
+            bucket.copied = True
+    except Exception:
+        pass  # a failed all-reduce or a bad hook result: the waiting thread raises it (not copied)
+    finally:
+        bucket.event.set()
 
 
 def _backward_done(ref: weakref.ref) -> None:

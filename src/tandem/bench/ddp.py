@@ -1,0 +1,333 @@
+"""``tandem bench --op ddp``: tandem's DistributedDataParallel against torch's, on spawned Gloo ranks.
+
+Each shape spawns one process group (2 ranks on 127.0.0.1, or 1 for the overhead shapes) that times
+every provider in interleaved rounds: one step is ``zero_grad``, forward, loss and backward (the
+gradients averaged over the ranks when it returns; no optimizer), each step started together on all
+ranks (a barrier, not timed); a step takes as long as its slowest rank. The per-step times come back
+to the runner (``timing="self"``).
+
+Providers:
+    torch          torch.nn.parallel.DistributedDataParallel, default settings (the baseline)
+    torch-<n>MB    the same with bucket_cap_mb=n (its best bucket size is the one to beat)
+    tandem         tandem.parallel.DistributedDataParallel, default settings
+    local          the bare module, no communication: T_backward_alone
+    allreduce      all-reduce of the model's gradients and nothing else: T_allreduce_alone (the faster
+                   of one flat buffer and tandem's buckets back to back, per round)
+
+Shapes:
+    sleep-*  layers whose backward sleeps (the GIL released, no CPU used: the stand-in for a device
+             computing) and then returns real gradients, so on two shared CPU cores communication and
+             "compute" do not fight; overlap efficiency =
+             (T_backward_alone + T_allreduce_alone - T_step) / T_allreduce_alone.
+    gru-*    the real model: a bidirectional tandem.nn.GRU stack with a linear head; here compute and
+             Gloo do share the cores.
+    *-w1     world size 1: the wrapper's overhead over the bare module.
+
+The summary printed under the table gives the efficiencies and overheads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tandem
+from tandem.bench.registry import OpBench, Shape, register
+
+__all__ = ["DDP_BENCH", "summary"]
+
+TORCH_BUCKETS_MB = (1, 4, 10)
+PROVIDERS = ("torch", *(f"torch-{mb}MB" for mb in TORCH_BUCKETS_MB), "tandem", "local", "allreduce")
+GROUP_TIMEOUT_S = 600.0
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+class _SleepLinear(torch.autograd.Function):
+    """``x @ w.T`` whose backward first sleeps ``seconds``: a layer whose backward takes that long
+    without using the CPU, then produces its real gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.seconds = seconds
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        time.sleep(ctx.seconds)
+        return grad @ weight, grad.t() @ x, None
+
+
+class SleepNet(torch.nn.Module):
+    """``layers`` square layers of ``width`` (``width**2`` weights each), each backward ``sleep_ms``."""
+
+    def __init__(self, layers: int, width: int, sleep_ms: float) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(width, width) / math.sqrt(width)) for _ in range(layers)
+        )
+        self.seconds = sleep_ms / 1e3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w in self.weights:
+            x = _SleepLinear.apply(x, w, self.seconds)
+        return x
+
+
+class GRUNet(torch.nn.Module):
+    """A DeepSpeech-like stack: bidirectional tandem.nn.GRU layers and a linear output layer."""
+
+    def __init__(self, inputs: int, hidden: int, layers: int, classes: int) -> None:
+        super().__init__()
+        self.rnn = tandem.nn.GRU(inputs, hidden, num_layers=layers, bidirectional=True)
+        self.head = torch.nn.Linear(2 * hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out)
+
+
+def _model_and_input(p: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    if p["model"] == "sleep":
+        return SleepNet(p["layers"], p["width"], p["sleep_ms"]), torch.randn(p["batch"], p["width"])
+    model = GRUNet(p["inputs"], p["hidden"], p["layers"], p["classes"])
+    return model, torch.randn(p["T"], p["batch"], p["inputs"])
+
+
+# ----------------------------------------------------------------------------------------------
+# one rank
+
+
+def _step_fn(wrapped: torch.nn.Module, module: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        wrapped(x).pow(2).mean().backward()
+
+    return step
+
+
+def _allreduce_fns(grads: list[torch.Tensor], buckets: list[list[int]]) -> list[Callable[[], None]]:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    bufs = [torch.cat([grads[i].reshape(-1) for i in b]) for b in buckets]
+
+    def one_flat() -> None:
+        dist.all_reduce(flat)
+
+    def bucketed() -> None:
+        for work in [dist.all_reduce(b, async_op=True) for b in bufs]:
+            work.wait()
+
+    return [one_flat, bucketed]
+
+
+def _rank_main(rank: int, world: int, store: str, out_dir: str, p: dict[str, Any]) -> None:
+    try:
+        torch.set_num_threads(p["threads"])
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        steps: dict[str, Callable[[], None]] = {}
+        x = None
+        names = list(p.get("providers", PROVIDERS))
+        for name in names:
+            if name == "allreduce":
+                continue
+            model, x = _model_and_input(p)
+            if name == "torch":
+                wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            elif name.startswith("torch-"):
+                mb = int(name.removeprefix("torch-").removesuffix("MB"))
+                wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
+            elif name == "tandem":
+                wrapped = tandem.parallel.DistributedDataParallel(model)
+                tandem_ddp = wrapped
+            elif name.startswith("tandem-"):  # for experiments: tandem-<n>MB
+                mb = float(name.removeprefix("tandem-").removesuffix("MB"))
+                wrapped = tandem.parallel.DistributedDataParallel(model, bucket_cap_mb=mb)
+            else:
+                wrapped = model
+            steps[name] = _step_fn(wrapped, model, x)
+        for step in steps.values():  # warm-up: lazy init, torch's and tandem's bucket rebuilds
+            for _ in range(p["warmup"]):
+                dist.barrier()
+                step()
+        grads = [q.grad for q in tandem_ddp.module.parameters()]
+        ar_fns = _allreduce_fns(grads, [b.members for b in tandem_ddp._buckets])
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(p["rounds"]):
+            # Rotating the order spreads slow drifts (the neighbours' load) over all providers.
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                for _ in range(p["reps"]):
+                    if name == "allreduce":
+                        best = math.inf
+                        for fn in ar_fns:
+                            dist.barrier()
+                            start = time.perf_counter()
+                            fn()
+                            best = min(best, time.perf_counter() - start)
+                        times[name].append(best)
+                        continue
+                    dist.barrier()
+                    start = time.perf_counter()
+                    steps[name]()
+                    times[name].append(time.perf_counter() - start)
+        st = tandem_ddp.stats()
+        result: dict[str, Any] = {"times": times, "stats": st, "buckets": len(tandem_ddp._buckets)}
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # no process-group teardown to wait for
+
+
+def run_group(p: dict[str, Any]) -> dict[str, Any]:
+    """Spawn ``p["world"]`` ranks timing every provider (raises if any rank failed).
+
+    A step's time is the slowest rank's (all started together): the time until every rank is done,
+    which is what a data-parallel step costs; the bare module's time is taken the same way.
+    """
+    world = p["world"]
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-ddp-") as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, str(Path(tmp) / "store"), tmp, p), daemon=True)
+            for r in range(world)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            deadline = time.monotonic() + GROUP_TIMEOUT_S
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                if proc.pid is None:  # never started
+                    continue
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(5)
+        results = []
+        for r in range(world):
+            path = Path(tmp) / f"rank{r}.pt"
+            if not path.exists():
+                raise RuntimeError(f"bench ddp: rank {r} of {world} left no result (crashed or timed out)")
+            results.append(torch.load(path, weights_only=False))
+    for r, res in enumerate(results):
+        if "error" in res:
+            raise RuntimeError(f"bench ddp: rank {r} failed:\n{res['error']}")
+    times = {
+        name: [max(per_rank) for per_rank in zip(*(res["times"][name] for res in results))]
+        for name in results[0]["times"]
+    }
+    return {**results[0], "times": times}
+
+
+# ----------------------------------------------------------------------------------------------
+# registry entry
+
+_CACHE: dict[tuple, dict[str, Any]] = {}
+LAST_STATS: dict[str, Any] = {}  # shape key -> tandem's DDPStats of the last step, for the summary
+
+
+def _provider(name: str):
+    def factory(params: dict[str, Any], device: torch.device, mode: str):
+        if device.type != "cpu":
+            raise ValueError(f"bench ddp: the Gloo benchmark runs on the CPU, got device {device}")
+        # Ranks share the runner's threads (two ranks on the default two threads: one each).
+        p = {**params, "threads": max(1, torch.get_num_threads() // params["world"])}
+        key = tuple(sorted(p.items()))
+
+        def thunk() -> list[float]:
+            if key not in _CACHE:  # the first provider of a shape runs the group for all of them
+                _CACHE[key] = run_group(p)
+                LAST_STATS[params["id"]] = _CACHE[key]["stats"]
+            return _CACHE[key]["times"][name]
+
+        return thunk
+
+    return factory
+
+
+def _sleep(layers: int, width: int, sleep_ms: float, world: int = 2, quick: bool = False) -> Shape:
+    id_ = f"sleep-L{layers}-D{width}-{sleep_ms:g}ms" + ("-w1" if world == 1 else "")
+    params = dict(model="sleep", layers=layers, width=width, sleep_ms=sleep_ms, batch=4, world=world)
+    params.update(id=id_, rounds=3, reps=6, warmup=3)
+    return Shape(id_, params, quick=quick, devices=("cpu",))
+
+
+def _gru(hidden: int, layers: int, world: int = 2, quick: bool = False) -> Shape:
+    id_ = f"gru-T50-B8-I80-H{hidden}-L{layers}-bi" + ("-w1" if world == 1 else "")
+    params = dict(
+        model="gru", inputs=80, hidden=hidden, layers=layers, classes=29, T=50, batch=8, world=world
+    )
+    params.update(id=id_, rounds=3, reps=4, warmup=3)
+    return Shape(id_, params, quick=quick, devices=("cpu",))
+
+
+def summary(rows: Sequence[Any]) -> str:
+    """Overlap efficiency per 2-rank shape and overhead per 1-rank shape, from the rows' medians."""
+    by_shape: dict[str, dict[str, float]] = {}
+    for r in rows:
+        by_shape.setdefault(r.shape, {})[r.provider] = r.p50_ms
+    lines = []
+    for shape, t in by_shape.items():
+        if shape.endswith("-w1"):
+            lines.append(
+                f"{shape}: overhead over the bare module (p50): tandem {t['tandem'] / t['local'] - 1:+.1%}, "
+                f"torch {t['torch'] / t['local'] - 1:+.1%}"
+            )
+            continue
+        bwd, ar = t["local"], t["allreduce"]
+        eff = {name: (bwd + ar - t[name]) / ar for name in t if name.startswith(("torch", "tandem"))}
+        torch_best = min((n for n in t if n.startswith("torch")), key=lambda n: t[n])
+        lines.append(
+            f"{shape}: T_backward_alone {bwd:.1f} ms, T_allreduce_alone {ar:.1f} ms; efficiency "
+            + ", ".join(f"{n} {e:.2f}" for n, e in eff.items())
+            + f"; tandem {t['tandem']:.1f} ms vs torch's best ({torch_best}) {t[torch_best]:.1f} ms"
+        )
+        st = LAST_STATS.get(shape)
+        if st is not None:
+            lines.append(
+                f"  tandem stats() of its last step: backward {st.backward_s * 1e3:.1f} ms, comm "
+                f"{st.comm_s * 1e3:.1f} ms, wait after backward {st.wait_s * 1e3:.1f} ms, "
+                f"{st.bytes_sent / 2**20:.1f} MiB in {st.buckets} buckets"
+            )
+    return "\n".join(lines)
+
+
+DDP_BENCH = register(
+    OpBench(
+        op="ddp",
+        providers={name: _provider(name) for name in PROVIDERS},
+        shapes=(
+            _sleep(16, 768, 5.0, quick=True),
+            _sleep(8, 1024, 10.0),
+            _gru(256, 3, quick=True),
+            _gru(256, 3, world=1),
+            _sleep(16, 768, 5.0, world=1),
+        ),
+        modes=("train",),
+        description="data-parallel step on 2 Gloo ranks: tandem vs torch DDP (bucket sizes), overlap",
+        timing="self",
+        extra={"summary": summary},
+    )
+)
