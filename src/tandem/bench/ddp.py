@@ -1,7 +1,7 @@
 """``tandem bench --op ddp``: tandem's DistributedDataParallel against torch's, on spawned Gloo ranks.
 
 Each shape spawns one process group (2 ranks on 127.0.0.1, or 1 for the overhead shapes) that times
-every provider in interleaved rounds: one step is ``zero_grad``, forward, loss and backward (the
+every provider, one step of each in turn: one step is ``zero_grad``, forward, loss and backward (the
 gradients averaged over the ranks when it returns; no optimizer), each step started together on all
 ranks (a barrier, not timed); a step takes as long as its slowest rank. The per-step times come back
 to the runner (``timing="self"``).
@@ -12,12 +12,12 @@ Providers:
     tandem         tandem.parallel.DistributedDataParallel, default settings
     local          the bare module, no communication: T_backward_alone
     allreduce      all-reduce of the model's gradients and nothing else: T_allreduce_alone (the faster
-                   of one flat buffer and tandem's buckets back to back, per round)
+                   of one flat buffer and tandem's buckets back to back, per step)
 
 Shapes:
     sleep-*  layers whose backward sleeps (the GIL released, no CPU used: the stand-in for a device
-             computing) and then returns real gradients, so on two shared CPU cores communication and
-             "compute" do not fight; overlap efficiency =
+             computing) and then computes its real gradients (small matmuls), so on two shared CPU
+             cores communication fights only with that; overlap efficiency =
              (T_backward_alone + T_allreduce_alone - T_step) / T_allreduce_alone.
     gru-*    the real model: a bidirectional tandem.nn.GRU stack with a linear head; here compute and
              Gloo do share the cores.
@@ -32,6 +32,7 @@ import datetime
 import math
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 import traceback
@@ -45,7 +46,7 @@ import torch.distributed as dist
 import tandem
 from tandem.bench.registry import OpBench, Shape, register
 
-__all__ = ["DDP_BENCH", "summary"]
+__all__ = ["DDP_BENCH", "RESULTS", "summary", "run_group"]
 
 TORCH_BUCKETS_MB = (1, 4, 10)
 PROVIDERS = ("torch", *(f"torch-{mb}MB" for mb in TORCH_BUCKETS_MB), "tandem", "local", "allreduce")
@@ -174,25 +175,27 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, p: dict[str, Any
         grads = [q.grad for q in tandem_ddp.module.parameters()]
         ar_fns = _allreduce_fns(grads, [b.members for b in tandem_ddp._buckets])
         times: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(p["rounds"]):
-            # Rotating the order spreads slow drifts (the neighbours' load) over all providers.
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                for _ in range(p["reps"]):
-                    if name == "allreduce":
-                        best = math.inf
-                        for fn in ar_fns:
-                            dist.barrier()
-                            start = time.perf_counter()
-                            fn()
-                            best = min(best, time.perf_counter() - start)
-                        times[name].append(best)
-                        continue
-                    dist.barrier()
-                    start = time.perf_counter()
-                    steps[name]()
-                    times[name].append(time.perf_counter() - start)
-        st = tandem_ddp.stats()
-        result: dict[str, Any] = {"times": times, "stats": st, "buckets": len(tandem_ddp._buckets)}
+        tandem_stats = []
+        for i in range(p["steps"]):
+            # One step of each provider in turn, the order rotating: the neighbours' load, which comes
+            # and goes, falls on all of them alike, and step i of each can be compared in pairs.
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                if name == "allreduce":
+                    best = math.inf
+                    for fn in ar_fns:
+                        dist.barrier()
+                        start = time.perf_counter()
+                        fn()
+                        best = min(best, time.perf_counter() - start)
+                    times[name].append(best)
+                    continue
+                dist.barrier()
+                start = time.perf_counter()
+                steps[name]()
+                times[name].append(time.perf_counter() - start)
+                if name == "tandem":
+                    tandem_stats.append(tandem_ddp.stats())
+        result: dict[str, Any] = {"times": times, "stats": tandem_stats}
     except Exception:
         result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -245,7 +248,7 @@ def run_group(p: dict[str, Any]) -> dict[str, Any]:
 # registry entry
 
 _CACHE: dict[tuple, dict[str, Any]] = {}
-LAST_STATS: dict[str, Any] = {}  # shape key -> tandem's DDPStats of the last step, for the summary
+RESULTS: dict[str, dict[str, Any]] = {}  # shape id -> per-step times and tandem's stats, for the summary
 
 
 def _provider(name: str):
@@ -258,8 +261,7 @@ def _provider(name: str):
 
         def thunk() -> list[float]:
             if key not in _CACHE:  # the first provider of a shape runs the group for all of them
-                _CACHE[key] = run_group(p)
-                LAST_STATS[params["id"]] = _CACHE[key]["stats"]
+                _CACHE[key] = RESULTS[params["id"]] = run_group(p)
             return _CACHE[key]["times"][name]
 
         return thunk
@@ -270,7 +272,7 @@ def _provider(name: str):
 def _sleep(layers: int, width: int, sleep_ms: float, world: int = 2, quick: bool = False) -> Shape:
     id_ = f"sleep-L{layers}-D{width}-{sleep_ms:g}ms" + ("-w1" if world == 1 else "")
     params = dict(model="sleep", layers=layers, width=width, sleep_ms=sleep_ms, batch=4, world=world)
-    params.update(id=id_, rounds=3, reps=6, warmup=3)
+    params.update(id=id_, steps=24, warmup=3)
     return Shape(id_, params, quick=quick, devices=("cpu",))
 
 
@@ -279,37 +281,56 @@ def _gru(hidden: int, layers: int, world: int = 2, quick: bool = False) -> Shape
     params = dict(
         model="gru", inputs=80, hidden=hidden, layers=layers, classes=29, T=50, batch=8, world=world
     )
-    params.update(id=id_, rounds=3, reps=4, warmup=3)
+    params.update(id=id_, steps=12, warmup=3)
     return Shape(id_, params, quick=quick, devices=("cpu",))
 
 
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
 def summary(rows: Sequence[Any]) -> str:
-    """Overlap efficiency per 2-rank shape and overhead per 1-rank shape, from the rows' medians."""
-    by_shape: dict[str, dict[str, float]] = {}
+    """Overlap efficiency per 2-rank shape and overhead per 1-rank shape.
+
+    Each figure is the median over steps of the figure computed from that step's providers, which ran
+    back to back (less noisy than a ratio of medians on a shared machine); rows of an earlier run
+    (no per-step times here) fall back to their medians.
+    """
+    p50: dict[str, dict[str, float]] = {}
     for r in rows:
-        by_shape.setdefault(r.shape, {})[r.provider] = r.p50_ms
+        p50.setdefault(r.shape, {})[r.provider] = r.p50_ms / 1e3
     lines = []
-    for shape, t in by_shape.items():
+    for shape, med in p50.items():
+        res = RESULTS.get(shape)
+        t = res["times"] if res else {name: [v] for name, v in med.items()}
+        steps = range(min(len(v) for v in t.values()))
         if shape.endswith("-w1"):
+            over = {n: _median([t[n][i] / t["local"][i] - 1 for i in steps]) for n in ("tandem", "torch")}
             lines.append(
-                f"{shape}: overhead over the bare module (p50): tandem {t['tandem'] / t['local'] - 1:+.1%}, "
-                f"torch {t['torch'] / t['local'] - 1:+.1%}"
+                f"{shape}: overhead over the bare module: tandem {over['tandem']:+.1%}, "
+                f"torch {over['torch']:+.1%}"
             )
             continue
-        bwd, ar = t["local"], t["allreduce"]
-        eff = {name: (bwd + ar - t[name]) / ar for name in t if name.startswith(("torch", "tandem"))}
-        torch_best = min((n for n in t if n.startswith("torch")), key=lambda n: t[n])
+        eff = {
+            n: _median([(t["local"][i] + t["allreduce"][i] - t[n][i]) / t["allreduce"][i] for i in steps])
+            for n in t
+            if n.startswith(("torch", "tandem"))
+        }
+        torch_best = min((n for n in med if n.startswith("torch")), key=lambda n: med[n])
         lines.append(
-            f"{shape}: T_backward_alone {bwd:.1f} ms, T_allreduce_alone {ar:.1f} ms; efficiency "
+            f"{shape}: T_backward_alone {med['local'] * 1e3:.1f} ms, T_allreduce_alone "
+            f"{med['allreduce'] * 1e3:.1f} ms; efficiency "
             + ", ".join(f"{n} {e:.2f}" for n, e in eff.items())
-            + f"; tandem {t['tandem']:.1f} ms vs torch's best ({torch_best}) {t[torch_best]:.1f} ms"
+            + f"; step p50 tandem {med['tandem'] * 1e3:.1f} ms vs torch's best bucket size ({torch_best}) "
+            f"{med[torch_best] * 1e3:.1f} ms"
         )
-        st = LAST_STATS.get(shape)
-        if st is not None:
+        if res and res["stats"]:
+            st = res["stats"]
             lines.append(
-                f"  tandem stats() of its last step: backward {st.backward_s * 1e3:.1f} ms, comm "
-                f"{st.comm_s * 1e3:.1f} ms, wait after backward {st.wait_s * 1e3:.1f} ms, "
-                f"{st.bytes_sent / 2**20:.1f} MiB in {st.buckets} buckets"
+                f"  tandem stats(), medians: backward {_median([x.backward_s for x in st]) * 1e3:.1f} ms, "
+                f"comm {_median([x.comm_s for x in st]) * 1e3:.1f} ms, wait after backward "
+                f"{_median([x.wait_s for x in st]) * 1e3:.1f} ms, {st[-1].bytes_sent / 2**20:.1f} MiB "
+                f"in {st[-1].buckets} buckets"
             )
     return "\n".join(lines)
 
@@ -319,11 +340,11 @@ DDP_BENCH = register(
         op="ddp",
         providers={name: _provider(name) for name in PROVIDERS},
         shapes=(
-            _sleep(16, 768, 5.0, quick=True),
-            _sleep(8, 1024, 10.0),
+            _sleep(8, 1024, 10.0, quick=True),
+            _sleep(16, 768, 5.0),
             _gru(256, 3, quick=True),
             _gru(256, 3, world=1),
-            _sleep(16, 768, 5.0, world=1),
+            _sleep(8, 1024, 10.0, world=1),
         ),
         modes=("train",),
         description="data-parallel step on 2 Gloo ranks: tandem vs torch DDP (bucket sizes), overlap",

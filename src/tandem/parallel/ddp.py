@@ -103,6 +103,7 @@ class _Bucket:
         "sent_bytes",
         "copied",
         "error",
+        "direct",
     )
 
     def __init__(self, index: int, members: list[int], params: list[Tensor]) -> None:
@@ -148,6 +149,13 @@ class _Bucket:
         self.sent_bytes = 0
         self.copied = False  # the reduced values are in .grad already (copied when the all-reduce ended)
         self.error: Exception | None = None  # raised by the waiting thread
+        # A one-parameter bucket whose gradient is contiguous is reduced in that gradient itself: no
+        # copy in, no copy back, no buffer. Decided per step, when the gradient arrives.
+        self.direct: Tensor | None = None
+
+    def target(self) -> Tensor:
+        """The flat tensor this step all-reduces: the gradient itself (direct) or the buffer."""
+        return self.direct if self.direct is not None else self.buffer
 
 
 def _tensors_in(obj: Any) -> Iterator[Tensor]:
@@ -532,6 +540,7 @@ class DistributedDataParallel(torch.nn.Module):
         return self.world_size == 1 and self._comm_hook is None
 
     def _copy_in(self, bucket: _Bucket, pos: int, grad: Tensor | None, param: Tensor, repoint: bool) -> None:
+        """Stage ``grad`` (``None``: zeros) for bucket ``bucket``; ``repoint``: it came from a hook."""
         if grad is not None and grad.layout != torch.strided:
             raise RuntimeError(
                 f"DistributedDataParallel: parameter {self._names[self._index_of[id(param)]]!r} has a "
@@ -539,10 +548,18 @@ class DistributedDataParallel(torch.nn.Module):
             )
         if self._identity:
             return
-        view = bucket.views[pos]
         # Without a hook the average is taken here, on the copy (torch's reducer does the same); a hook
         # receives raw gradients and divides itself.
         scale = 1.0 / self.world_size if self._comm_hook is None else 1.0
+        if repoint and grad is not None and len(bucket.members) == 1 and grad.is_contiguous():
+            # Only for a gradient of this backward: one counted as unused must stay untouched if no
+            # rank used it, so it goes through the buffer.
+            bucket.direct = grad.view(-1)
+            if scale != 1.0:
+                self._submit(functools.partial(_scale_in_place, grad, scale))
+            return
+        bucket.direct = None
+        view = bucket.views[pos]
         self._submit(functools.partial(_copy_scaled, view, grad, scale))
         if repoint and self.gradient_as_bucket_view and param.grad is not view:
             param.grad = view
@@ -580,14 +597,17 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.launch_t = time.perf_counter()
+        target = bucket.target()
         if self._comm_hook is None:
-            fut = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
+            fut = dist.all_reduce(target, group=self.process_group, async_op=True).get_future()
             bucket.sent_bytes = bucket.nbytes
         else:
             grad_bucket = GradBucket(
                 bucket.index,
-                bucket.buffer,
-                list(bucket.views),
+                target,
+                [target.view(self._params[bucket.members[0]].shape)]
+                if bucket.direct is not None
+                else list(bucket.views),
                 [self._params[i] for i in bucket.members],
                 bucket.index == len(self._buckets) - 1,
             )
@@ -697,6 +717,10 @@ class DistributedDataParallel(torch.nn.Module):
                 f"returned {got}; expected a tensor of {bucket.numel} elements"
             )
         with torch.no_grad():
+            if bucket.direct is not None:  # reduced in the gradient itself: it is .grad already
+                if flat.data_ptr() != bucket.direct.data_ptr():
+                    bucket.direct.copy_(flat.view_as(bucket.direct))
+                return
             in_place = flat.data_ptr() == bucket.buffer.data_ptr()
             if self.gradient_as_bucket_view and not in_place:
                 bucket.buffer.copy_(flat.view_as(bucket.buffer))
@@ -772,6 +796,11 @@ def _copy_scaled(view: Tensor, grad: Tensor | None, scale: float) -> None:
             torch.mul(grad, scale, out=view)
         else:
             view.copy_(grad)
+
+
+def _scale_in_place(grad: Tensor, scale: float) -> None:
+    with torch.no_grad():
+        grad.mul_(scale)
 
 
 def _size(nbytes: int) -> str:
