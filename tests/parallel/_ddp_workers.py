@@ -174,6 +174,11 @@ def _check_single_process(rank: int, world: int) -> dict[str, Any]:
         p.grad is not None and any(p.grad.data_ptr() == v.data_ptr() for b in ddp._buckets for v in b.views)
         for p in m.parameters()
     )
+    m = mlp()  # one parameter per bucket, reduced in the gradients themselves
+    train(
+        TandemDDP(m, bucket_cap_mb=0, gradient_as_bucket_view=True, timeout=CHECK_TIMEOUT_S), 3, world, rank
+    )
+    out["one_param_buckets_view"] = params(m)
     m = GRUNet()
     train(TandemDDP(m, timeout=CHECK_TIMEOUT_S), 3, world, rank, kind="gru")
     out["gru"] = params(m)
@@ -275,12 +280,14 @@ def _check_hooks(rank: int, world: int) -> dict[str, Any]:
         "bf16": (hooks.bf16_compress_hook, _torch_bf16_hook),
         "allreduce": (hooks.allreduce_hook, torch_hooks.allreduce_hook),
         "torch_fp16_on_tandem": (torch_hooks.fp16_compress_hook, torch_hooks.fp16_compress_hook),
+        "fp16_one_param_buckets": (hooks.fp16_compress_hook, torch_hooks.fp16_compress_hook),
     }
     if rank in (0, 1):
         for name, (ours_hook, torch_hook) in pairs.items():
             m_t, m_d = mlp(torch.float32), mlp(torch.float32)
-            ours = TandemDDP(m_t, process_group=pair_group, timeout=CHECK_TIMEOUT_S)
-            theirs = TorchDDP(m_d, process_group=pair_group)
+            cap = 0 if "one_param" in name else None
+            ours = TandemDDP(m_t, process_group=pair_group, bucket_cap_mb=cap, timeout=CHECK_TIMEOUT_S)
+            theirs = TorchDDP(m_d, process_group=pair_group, bucket_cap_mb=cap)
             ours.register_comm_hook(pair_group, ours_hook)
             theirs.register_comm_hook(pair_group, torch_hook)
             loss_fn(ours(x), y).backward()

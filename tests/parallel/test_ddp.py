@@ -92,7 +92,7 @@ def reference(make, steps: int, kind: str = "mlp") -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("variant", ["tiny_buckets", "bucket_view", "gru"])
+@pytest.mark.parametrize("variant", ["tiny_buckets", "bucket_view", "one_param_buckets_view", "gru"])
 def test_equals_single_process_on_concatenated_batch(main_results, variant):
     per_rank = check(main_results, "single_process")
     want = reference(w.GRUNet, 3, "gru") if variant == "gru" else reference(w.mlp, 3)
@@ -151,7 +151,9 @@ def test_unused_parameter_without_find_unused_is_an_error_on_every_rank(main_res
         assert msg is not None and "'c.weight'" in msg and "find_unused_parameters=True" in msg
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "allreduce", "torch_fp16_on_tandem"])
+@pytest.mark.parametrize(
+    "name", ["fp16", "bf16", "allreduce", "torch_fp16_on_tandem", "fp16_one_param_buckets"]
+)
 def test_comm_hooks_match_torch_hooks(main_results, name):
     # On a group of two ranks (the process_group argument): bit for bit the same as torch's hooks.
     for res in check(main_results, "hooks")[:2]:
@@ -160,6 +162,9 @@ def test_comm_hooks_match_torch_hooks(main_results, name):
         param_bytes = sum(g.numel() * 4 for g in ours.values())
         if name != "torch_fp16_on_tandem":  # torch's hook cannot tell tandem what it sent
             assert sent == (param_bytes if name == "allreduce" else param_bytes // 2)
+    if name == "fp16_one_param_buckets":  # ...and the values are fp16's
+        for g in ours.values():
+            assert torch.equal(g, g.half().float())
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])

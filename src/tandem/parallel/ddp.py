@@ -849,6 +849,7 @@ class _CommThread:
                 task()
             except Exception as e:
                 errors.append(e)
+            del task  # waiting for the next one must not keep this one's wrapper and tensors alive
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
