@@ -281,7 +281,7 @@ def _gru(hidden: int, layers: int, world: int = 2, quick: bool = False) -> Shape
     params = dict(
         model="gru", inputs=80, hidden=hidden, layers=layers, classes=29, T=50, batch=8, world=world
     )
-    params.update(id=id_, steps=12, warmup=3)
+    params.update(id=id_, steps=16, warmup=3)
     return Shape(id_, params, quick=quick, devices=("cpu",))
 
 
@@ -290,7 +290,7 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def summary(rows: Sequence[Any]) -> str:
-    """Overlap efficiency per 2-rank shape and overhead per 1-rank shape.
+    """Overlap efficiency per sleep shape, cost over the bare module for the others, tandem's stats().
 
     Each figure is the median over steps of the figure computed from that step's providers, which ran
     back to back (less noisy than a ratio of medians on a shared machine); rows of an earlier run
@@ -304,11 +304,17 @@ def summary(rows: Sequence[Any]) -> str:
         res = RESULTS.get(shape)
         t = res["times"] if res else {name: [v] for name, v in med.items()}
         steps = range(min(len(v) for v in t.values()))
-        if shape.endswith("-w1"):
-            over = {n: _median([t[n][i] / t["local"][i] - 1 for i in steps]) for n in ("tandem", "torch")}
+        torch_best = min((n for n in med if n.startswith("torch")), key=lambda n: med[n])
+        versus = (
+            f"step p50 tandem {med['tandem'] * 1e3:.1f} ms vs torch's best bucket size ({torch_best}) "
+            f"{med[torch_best] * 1e3:.1f} ms"
+        )
+        if not shape.startswith("sleep") or shape.endswith("-w1"):
+            # Real compute (or one rank): what the wrapper costs over the bare module.
+            over = {n: _median([t[n][i] / t["local"][i] - 1 for i in steps]) for n in ("tandem", torch_best)}
             lines.append(
-                f"{shape}: overhead over the bare module: tandem {over['tandem']:+.1%}, "
-                f"torch {over['torch']:+.1%}"
+                f"{shape}: step over the bare module: tandem {over['tandem']:+.1%}, {torch_best} "
+                f"{over[torch_best]:+.1%}; {versus}"
             )
             continue
         eff = {
@@ -316,18 +322,19 @@ def summary(rows: Sequence[Any]) -> str:
             for n in t
             if n.startswith(("torch", "tandem"))
         }
-        torch_best = min((n for n in med if n.startswith("torch")), key=lambda n: med[n])
         lines.append(
             f"{shape}: T_backward_alone {med['local'] * 1e3:.1f} ms, T_allreduce_alone "
             f"{med['allreduce'] * 1e3:.1f} ms; efficiency "
             + ", ".join(f"{n} {e:.2f}" for n, e in eff.items())
-            + f"; step p50 tandem {med['tandem'] * 1e3:.1f} ms vs torch's best bucket size ({torch_best}) "
-            f"{med[torch_best] * 1e3:.1f} ms"
+            + f"; {versus}"
         )
-        if res and res["stats"]:
+    for shape in p50:
+        res = RESULTS.get(shape)
+        if res and res["stats"] and res["stats"][-1].buckets:
             st = res["stats"]
             lines.append(
-                f"  tandem stats(), medians: backward {_median([x.backward_s for x in st]) * 1e3:.1f} ms, "
+                f"{shape}: tandem stats(), medians: backward "
+                f"{_median([x.backward_s for x in st]) * 1e3:.1f} ms, "
                 f"comm {_median([x.comm_s for x in st]) * 1e3:.1f} ms, wait after backward "
                 f"{_median([x.wait_s for x in st]) * 1e3:.1f} ms, {st[-1].bytes_sent / 2**20:.1f} MiB "
                 f"in {st[-1].buckets} buckets"
