@@ -6,14 +6,17 @@ How a synchronised step runs:
    ``find_unused_parameters=True`` it also walks the autograd graph from the outputs to find the
    parameters that this backward cannot reach.
 2. In backward, ``register_post_accumulate_grad_hook`` fires per parameter once its ``.grad`` is
-   final: the gradient is copied (times ``1 / world_size``) into its slot of a flat bucket buffer.
-   When a bucket is full and every bucket before it has been launched, its all-reduce starts
+   final: the gradient is copied (times ``1 / world_size``) into its slot of a flat bucket buffer
+   (a one-parameter bucket with a contiguous gradient is reduced in the gradient itself). When a
+   bucket is full and every bucket before it has been launched, its all-reduce starts
    (``async_op=True``, or through the communication hook), so buckets leave in the same order on
-   every rank while the backward of the layers below goes on.
+   every rank while the backward of the layers below goes on. For CPU tensors the copies and
+   launches run on a communication thread, in order, and each bucket is copied back to ``.grad`` by
+   the thread that completes its all-reduce: the autograd thread only does bookkeeping.
 3. A callback queued on the autograd engine runs when backward ends: parameters that got no gradient
    are filled in (zeros, or what ``no_sync()`` steps accumulated), the last buckets are launched, and
-   every bucket is waited for, with a deadline, and written back to ``.grad`` (or ``.grad`` already
-   is a view of the bucket with ``gradient_as_bucket_view=True``).
+   every bucket is waited for, with a deadline, and written back to ``.grad`` if that has not
+   happened yet (or ``.grad`` already is a view of the bucket with ``gradient_as_bucket_view=True``).
 4. After the first synchronised backward the buckets are rebuilt in the order gradients actually
    became ready (rank 0's order, broadcast, so every rank cuts the same buckets).
 """
@@ -207,8 +210,9 @@ class DistributedDataParallel(torch.nn.Module):
         output_device: accepted for torch compatibility; a single-device module's outputs stay on its
             device.
         process_group: the group to average over (default: the default group).
-        bucket_cap_mb: bucket size in MiB (default 25, with a 1 MiB first bucket as torch does);
-            0 gives one parameter per bucket.
+        bucket_cap_mb: bucket size in MiB; 0 gives one parameter per bucket. Default: torch's 25 MiB
+            (with a 1 MiB first bucket), but at most 1/16 of the model (at least 1 MiB), so that the
+            last bucket, whose all-reduce nothing can hide, stays small for models under 400 MiB.
         broadcast_buffers: broadcast rank 0's buffers (batch-norm statistics) before each forward.
         find_unused_parameters: allow parameters to get no gradient in a backward (they count as
             zero for this rank). Without it, such parameters are a ``RuntimeError`` at the end of
@@ -217,7 +221,10 @@ class DistributedDataParallel(torch.nn.Module):
             memory.
         timeout: seconds (or a ``timedelta``) to wait for any collective before raising
             :class:`~tandem.parallel.CommunicationError`; default 30. A dead or stuck rank makes the
-            others raise within it instead of hanging.
+            others raise within it instead of hanging (the process group is not usable afterwards:
+            later forwards raise at once). The wait is on the host, so it bounds Gloo collectives;
+            NCCL marks work done at enqueue, so there a hang falls to the process group's own
+            timeout (``init_process_group(timeout=...)``, NCCL's watchdog) - not tested here.
 
     Example::
 
