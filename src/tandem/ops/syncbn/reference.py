@@ -126,13 +126,14 @@ def syncbn_stats_ref(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Te
         pivot = xa.sum(dims) / frames  # [C]
         shifted = xa - _per_channel(pivot, x.dim())
     else:
-        keep = mask.unsqueeze(1)  # [N, 1, *S]
+        drop = ~mask.unsqueeze(1)  # [N, 1, *S]
         count = mask.sum(dtype=acc)
-        # where(), not a product: padded frames may hold anything, NaN included
-        pivot = torch.where(keep, xa, 0).sum(dims) / count.clamp(min=1)
-        shifted = torch.where(keep, xa - _per_channel(pivot, x.dim()), 0)
+        # masked_fill, not a product: padded frames may hold anything, NaN included
+        shifted = xa.masked_fill(drop, 0)
+        pivot = shifted.sum(dims) / count.clamp(min=1)
+        shifted.sub_(_per_channel(pivot, x.dim())).masked_fill_(drop, 0)
     s1 = shifted.sum(dims)
-    s2 = (shifted * shifted).sum(dims)
+    s2 = shifted.square_().sum(dims)  # in place: one [N, C, *S] temporary in all
     n = count.clamp(min=1)
     mean = pivot.to(torch.float64) + s1.to(torch.float64) / n
     return mean, (s2 - s1 * s1 / n).clamp(min=0), count
@@ -173,7 +174,7 @@ def syncbn_fwd_ref(
     # (x - hi) * scale + (bias - lo * scale): lo folded into the per-channel shift
     shift = -lo * scale if bias is None else bias.to(acc) - lo * scale
     y = x.to(acc) - _per_channel(hi, nd)
-    y.mul_(_per_channel(scale, nd)).add_(_per_channel(shift, nd))
+    torch.addcmul(_per_channel(shift, nd), y, _per_channel(scale, nd), out=y)  # one pass, in place
     if mask is not None:
         y.masked_fill_(~mask.unsqueeze(1), 0)
     return _same_format(y.to(x.dtype), x)
@@ -196,7 +197,7 @@ def syncbn_bwd_reduce_ref(
         dya = torch.where(keep, dya, 0)
         centred.masked_fill_(~keep, 0)  # padded frames of x may be NaN, and 0 * NaN is NaN
     sum_dy = dya.sum(dims)
-    sum_dy_xmu = (dya * centred).sum(dims) - lo * sum_dy
+    sum_dy_xmu = centred.mul_(dya).sum(dims) - lo * sum_dy
     return sum_dy, sum_dy_xmu * invstd
 
 
@@ -220,11 +221,11 @@ def syncbn_bwd_ref(
     hi, lo = split_mean(mean, acc)
     scale = invstd if weight is None else invstd * weight.to(acc)
     # dx = dy * scale + (x - hi) * k + c, with k = -scale * invstd * mean_dy_xhat and
-    # c = -scale * mean_dy - lo * k: three elementwise passes on the CPU
+    # c = -scale * mean_dy - lo * k: three elementwise passes on the CPU, one output and no temporary
     k = -scale * invstd * mean_dy_xhat
     c = -scale * mean_dy - lo * k
     dx = x.to(acc) - _per_channel(hi, nd)
-    dx.mul_(_per_channel(k, nd)).add_(_per_channel(c, nd))
+    torch.addcmul(_per_channel(c, nd), dx, _per_channel(k, nd), out=dx)  # one pass, in place
     dx.addcmul_(dy.to(acc), _per_channel(scale, nd))
     if mask is not None:
         dx.masked_fill_(~mask.unsqueeze(1), 0)
