@@ -75,7 +75,12 @@ def test_single_process_matches_no_torchrun(tmp_path):
 
 def test_malformed_data_is_a_clear_error_and_writes_nothing(tmp_path):
     bad = tmp_path / "bad.npz"
-    np.savez(bad, features=np.ones((4, 3, 2), np.float32), lengths=np.array([3, 1, 2, 9]), labels=np.zeros(4))
+    np.savez(
+        bad,
+        features=np.ones((4, 3, 2), np.float32),
+        lengths=np.array([3, 1, 2, 9]),
+        labels=np.zeros(4, np.int64),
+    )
     out = tmp_path / "out"
     done = _tandem("--data", str(bad), "--out", str(out), timeout=60)
     assert done.returncode == 2

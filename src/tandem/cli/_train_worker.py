@@ -48,6 +48,7 @@ def _plot(history: list[dict[str, float]], path: Path) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("tandem train: matplotlib is not installed, no training-curve PNG (pip install tandem[plot])")
         return
@@ -61,6 +62,7 @@ def _plot(history: list[dict[str, float]], path: Path) -> None:
     ax_acc.legend()
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.tight_layout()
     _atomic_save(lambda tmp: fig.savefig(tmp, format="png", dpi=110), path)
     plt.close(fig)
