@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from tandem import nn, ops, optim
+from tandem import nn, ops, optim, parallel
 
 __version__ = "0.1.0"
-__all__ = ["nn", "ops", "optim", "__version__"]
+__all__ = ["nn", "ops", "optim", "parallel", "__version__"]

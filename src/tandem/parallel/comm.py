@@ -1,0 +1,133 @@
+"""Collectives with a deadline: every wait of ``tandem.parallel`` ends, with an error, in bounded time.
+
+torch.distributed waits as long as the process group's timeout (30 minutes for Gloo by default) when a
+peer is stuck. Here each asynchronous operation's future sets an event when it completes, and the
+caller waits on the event until a deadline, so a dead or stuck rank turns into a
+:class:`CommunicationError` on the survivors after ``timeout`` seconds at most.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+__all__ = ["CommunicationError", "watch", "wait_until", "broadcast_coalesced", "check_same_on_all_ranks"]
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed or did not complete in time: a peer rank has probably died or is stuck."""
+
+
+def watch(fut: Future, on_done: Callable[[], None] | None = None) -> threading.Event:
+    """An event set when ``fut`` completes (with a value or an error); ``on_done`` runs first."""
+    event = threading.Event()
+
+    def done(_: Future) -> None:
+        # Runs on the backend's thread: no exceptions out of here, whatever on_done does.
+        try:
+            if on_done is not None:
+                on_done()
+        finally:
+            event.set()
+
+    fut.add_done_callback(done)
+    return event
+
+
+def wait_until(fut: Future, event: threading.Event, deadline: float, what: str, timeout: float):
+    """The value of ``fut``, waiting for ``event`` until ``deadline`` (``time.monotonic()`` seconds).
+
+    Raises :class:`CommunicationError` naming ``what`` if the deadline passes or the operation fails.
+    """
+    if not event.wait(max(0.0, deadline - time.monotonic())):
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        raise CommunicationError(
+            f"DistributedDataParallel: rank {rank} waited {timeout:g} s for {what} without it completing; "
+            "another rank of the process group has probably died or is stuck. If ranks may legitimately "
+            "fall this far apart (one rank writing a checkpoint), pass a larger timeout=."
+        )
+    try:
+        return fut.wait()  # done already; wait() also orders CUDA streams after the result
+    except Exception as e:
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        raise CommunicationError(
+            f"DistributedDataParallel: {what} failed on rank {rank}; another rank has probably died: {e}"
+        ) from e
+
+
+def _run(work: dist.Work, deadline: float, what: str, timeout: float):
+    fut = work.get_future()
+    return wait_until(fut, watch(fut), deadline, what, timeout)
+
+
+def broadcast_coalesced(
+    tensors: Sequence[Tensor], src: int, group: dist.ProcessGroup | None, timeout: float, what: str
+) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s (a global rank): one broadcast per device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    deadline = time.monotonic() + timeout
+    with torch.no_grad():
+        pending = []
+        for members in groups.values():
+            flat = torch.cat([t.reshape(-1) for t in members])
+            pending.append((members, flat, dist.broadcast(flat, src=src, group=group, async_op=True)))
+        for members, flat, work in pending:
+            _run(work, deadline, what, timeout)
+            offset = 0
+            for t in members:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def check_same_on_all_ranks(
+    descriptions: Sequence[str],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    timeout: float,
+    what: str,
+) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks pass the same ``descriptions``.
+
+    One all_gather of a 16-byte digest when they agree; when they differ every rank knows it from the
+    same gathered digests, so all of them gather the descriptions to name the first difference, and
+    all raise the same error: none is left waiting for the others.
+    """
+    world = dist.get_world_size(group)
+    mine = torch.tensor(
+        [len(descriptions), _digest("\n".join(descriptions))], dtype=torch.int64, device=device
+    )
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    deadline = time.monotonic() + timeout
+    _run(dist.all_gather(gathered, mine, group=group, async_op=True), deadline, what, timeout)
+    if all(torch.equal(g, gathered[0]) for g in gathered):
+        return
+    everyone: list[list[str] | None] = [None] * world
+    dist.all_gather_object(everyone, list(descriptions), group=group)
+    reference = everyone[0] or []
+    for rank, theirs in enumerate(everyone):
+        theirs = theirs or []
+        if theirs == reference:
+            continue
+        for i in range(max(len(reference), len(theirs))):
+            a = reference[i] if i < len(reference) else "nothing"
+            b = theirs[i] if i < len(theirs) else "nothing"
+            if a != b:
+                raise ValueError(
+                    f"DistributedDataParallel: {what} differ across ranks: entry {i} is {a} on rank 0 "
+                    f"but {b} on rank {rank} (rank 0 has {len(reference)} entries, rank {rank} "
+                    f"{len(theirs)}). Every rank must wrap the same model."
+                )
+    raise ValueError(f"DistributedDataParallel: {what} differ across ranks (digests {gathered})")

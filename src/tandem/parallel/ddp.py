@@ -1,0 +1,729 @@
+"""``tandem.parallel.DistributedDataParallel``: each bucket of gradients on the wire as soon as it is full.
+
+How a synchronised step runs:
+
+1. ``forward`` (grad enabled, outside ``no_sync()``) arms the gradient hooks; with
+   ``find_unused_parameters=True`` it also walks the autograd graph from the outputs to find the
+   parameters that this backward cannot reach.
+2. In backward, ``register_post_accumulate_grad_hook`` fires per parameter once its ``.grad`` is
+   final: the gradient is copied (times ``1 / world_size``) into its slot of a flat bucket buffer.
+   When a bucket is full and every bucket before it has been launched, its all-reduce starts
+   (``async_op=True``, or through the communication hook), so buckets leave in the same order on
+   every rank while the backward of the layers below goes on.
+3. A callback queued on the autograd engine runs when backward ends: parameters that got no gradient
+   are filled in (zeros, or what ``no_sync()`` steps accumulated), the last buckets are launched, and
+   every bucket is waited for, with a deadline, and written back to ``.grad`` (or ``.grad`` already
+   is a view of the bucket with ``gradient_as_bucket_view=True``).
+4. After the first synchronised backward the buckets are rebuilt in the order gradients actually
+   became ready (rank 0's order, broadcast, so every rank cuts the same buckets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from tandem.parallel.buckets import GradBucket, bucket_assignment
+from tandem.parallel.comm import (
+    CommunicationError,
+    broadcast_coalesced,
+    check_same_on_all_ranks,
+    wait_until,
+    watch,
+)
+
+__all__ = ["DistributedDataParallel", "DDPStats", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 30.0
+_MB = 1024 * 1024
+_DEFAULT_BUCKET_CAP_MB = 25
+# torch's default too: a small first bucket, so the last layers' gradients go out without waiting for
+# 25 MB of the layers below them.
+_FIRST_BUCKET_BYTES = 1 * _MB
+
+
+@dataclass(frozen=True)
+class DDPStats:
+    """Timings of the last synchronised backward (seconds) and what it sent.
+
+    backward_s: from the first gradient reaching the module (of its output, or of a parameter) to
+        the end of the local backward.
+    comm_s: wall time during which at least one bucket's all-reduce was in flight.
+    wait_s: time after the local backward spent waiting for the all-reduces and writing the
+        averaged gradients to ``.grad``: the communication that did not overlap.
+    bytes_sent: payload handed to the collectives (the compressed size with tandem's fp16/bf16
+        hooks); a ring all-reduce moves about twice that over each link.
+    buckets: how many buckets were all-reduced.
+    """
+
+    backward_s: float
+    comm_s: float
+    wait_s: float
+    bytes_sent: int
+    buckets: int
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of the communication time hidden behind backward, ``1 - wait_s / comm_s`` (>= 0)."""
+        return max(0.0, 1.0 - self.wait_s / self.comm_s) if self.comm_s > 0 else 1.0
+
+
+class _Bucket:
+    """One flat gradient buffer and the per-iteration state of its all-reduce."""
+
+    __slots__ = (
+        "index",
+        "members",
+        "buffer",
+        "views",
+        "pending",
+        "future",
+        "event",
+        "launch_t",
+        "done_t",
+        "sent_bytes",
+    )
+
+    def __init__(self, index: int, members: list[int], params: list[Tensor]) -> None:
+        self.index = index
+        self.members = members
+        first = params[members[0]]
+        total = sum(params[i].numel() for i in members)
+        self.buffer = torch.empty(total, dtype=first.dtype, device=first.device)  # [sum of numels]
+        self.views: list[Tensor] = []
+        offset = 0
+        for i in members:
+            n = params[i].numel()
+            self.views.append(self.buffer[offset : offset + n].view(params[i].shape))
+            offset += n
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending = len(self.members)
+        self.future: Future | None = None
+        self.event = None
+        self.launch_t = 0.0
+        self.done_t = 0.0
+        self.sent_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def _mark_done(bucket: _Bucket) -> None:
+    bucket.done_t = time.perf_counter()
+
+
+def _tensors_in(obj: Any) -> Iterator[Tensor]:
+    """The tensors in a (possibly nested) output: tuples, lists, dicts, namedtuples, PackedSequence."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple (PackedSequence among them)
+        return type(obj)(*(_to_device(item, device) for item in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(item, device) for item in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    return obj
+
+
+def _seconds(timeout: float | datetime.timedelta | None) -> float:
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"DistributedDataParallel: expected a positive timeout, got {timeout!r}")
+    return seconds
+
+
+class DistributedDataParallel(torch.nn.Module):
+    r"""Data-parallel training: torch's ``DistributedDataParallel`` API, gradients averaged over ranks.
+
+    Every rank wraps the same model; after ``loss.backward()`` each parameter's ``.grad`` is the
+    average over the ranks of its local gradient, so the optimizer steps identically everywhere.
+    Gradients travel in buckets as soon as backward produces them, overlapping communication with
+    the backward of the layers below (see the module docstring for the mechanism).
+
+    Args:
+        module: the model. Its parameters and buffers are broadcast from rank 0 here; their shapes
+            and dtypes must agree on every rank (a ``ValueError`` on every rank otherwise).
+        device_ids: ``None`` for CPU and multi-device modules; ``[i]`` for a module on CUDA device
+            ``i`` (inputs are then moved there).
+        output_device: accepted for torch compatibility; a single-device module's outputs stay on its
+            device.
+        process_group: the group to average over (default: the default group).
+        bucket_cap_mb: bucket size in MiB (default 25, with a 1 MiB first bucket as torch does);
+            0 gives one parameter per bucket.
+        broadcast_buffers: broadcast rank 0's buffers (batch-norm statistics) before each forward.
+        find_unused_parameters: allow parameters to get no gradient in a backward (they count as
+            zero for this rank). Without it, such parameters are a ``RuntimeError`` at the end of
+            backward.
+        gradient_as_bucket_view: make ``.grad`` views of the bucket buffers: no copy back, less
+            memory.
+        timeout: seconds (or a ``timedelta``) to wait for any collective before raising
+            :class:`~tandem.parallel.CommunicationError`; default 30. A dead or stuck rank makes the
+            others raise within it instead of hanging.
+
+    Example::
+
+        >>> dist.init_process_group("gloo")  # torchrun sets the rank and world size
+        >>> model = tandem.parallel.DistributedDataParallel(tandem.nn.GRU(80, 256, bidirectional=True))
+        >>> out, _ = model(x)                 # x: this rank's part of the batch
+        >>> out.mean().backward()             # .grad now holds the average over ranks
+        >>> optimizer.step(); model.stats()   # DDPStats(backward_s=..., comm_s=..., wait_s=..., ...)
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        timeout: float | datetime.timedelta | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}"
+            )
+        if process_group is None and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "DistributedDataParallel: the default process group has not been initialized; call "
+                "torch.distributed.init_process_group(...) first or pass process_group="
+            )
+        if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
+            raise ValueError(f"DistributedDataParallel: expected bucket_cap_mb >= 0, got {bucket_cap_mb}")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that "
+                "requires a gradient."
+            )
+        self.timeout = _seconds(timeout)
+        devices = {t.device for t in [*module.parameters(), *module.buffers()]}
+        self._set_devices(devices, device_ids, output_device)
+
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.require_backward_grad_sync = True
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._src = dist.get_process_group_ranks(process_group)[0] if self.world_size > 1 else 0
+        self._comm_device = next(iter(module.parameters())).device
+        if bucket_cap_mb is None:
+            self._caps = [_FIRST_BUCKET_BYTES, _DEFAULT_BUCKET_CAP_MB * _MB]
+        else:
+            self._caps = [int(bucket_cap_mb * _MB)]
+        self.bucket_bytes_cap = self._caps[-1]
+
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._sync_module_state()
+
+        n = len(self._params)
+        self._comm_hook: Callable[[Any, GradBucket], Future] | None = None
+        self._comm_state: Any = None
+        self._buckets: list[_Bucket] = []
+        self._slot: list[tuple[_Bucket, int]] = []
+        self._build_buckets(list(reversed(range(n))))
+        self._rebuilt = False
+        self._expect_hooks = False
+        self._in_backward = False
+        self._sync_buffers_next = True
+        self._failure: Exception | None = None
+        self._last_stats: DDPStats | None = None
+        self._unreachable: list[int] = []
+        self._used_since_sync = bytearray(n)
+        self._reset_iteration()
+        me = weakref.ref(self)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_hook, me, i))
+            for i, p in enumerate(self._params)
+        ]
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+
+    def _set_devices(self, devices: set[torch.device], device_ids, output_device) -> None:
+        device_type = next(iter(devices)).type if devices else "cpu"
+        if device_ids is None or len(device_ids) == 0 or device_type == "cpu" or len(devices) > 1:
+            if device_ids or output_device is not None:
+                raise ValueError(
+                    "DistributedDataParallel device_ids and output_device arguments only work with "
+                    f"single-device GPU modules, but got device_ids {device_ids}, output_device "
+                    f"{output_device}, and module parameters {devices}."
+                )
+            self.device_ids = None
+            self.output_device = None
+            return
+        if len(device_ids) != 1:
+            raise ValueError(
+                f"DistributedDataParallel: expected device_ids to name one device, got {device_ids}"
+            )
+        (device,) = devices
+        wanted = torch.device(device_type, torch.device(device_type, device_ids[0]).index or 0)
+        if wanted != device:
+            raise ValueError(
+                f"DistributedDataParallel: device_ids {device_ids} names {wanted}, "
+                f"but the module is on {device}"
+            )
+        self.device_ids = [wanted.index]
+        self.output_device = (
+            wanted.index if output_device is None else torch.device(device_type, output_device).index
+        )
+
+    def _sync_module_state(self) -> None:
+        """Check that every rank has the same parameters and buffers, then take rank 0's values."""
+        if self.world_size == 1:
+            return
+        described = [
+            f"parameter {name!r} of shape {list(t.shape)}, {t.dtype}, requires_grad={t.requires_grad}"
+            for name, t in self.module.named_parameters()
+        ]
+        described += [
+            f"buffer {name!r} of shape {list(t.shape)}, {t.dtype}" for name, t in self.module.named_buffers()
+        ]
+        check_same_on_all_ranks(
+            described, self.process_group, self._comm_device, self.timeout, "parameters and buffers"
+        )
+        state = [*self.module.parameters(), *self.module.buffers()]
+        if state:
+            broadcast_coalesced(
+                [t.detach() for t in state],
+                self._src,
+                self.process_group,
+                self.timeout,
+                "the broadcast of rank 0's parameters and buffers",
+            )
+
+    def _build_buckets(self, order: list[int]) -> None:
+        groups = bucket_assignment(order, self._params, self._caps)
+        self._buckets = [_Bucket(k, members, self._params) for k, members in enumerate(groups)]
+        slot: list[tuple[_Bucket, int] | None] = [None] * len(self._params)
+        for b in self._buckets:
+            for pos, i in enumerate(b.members):
+                slot[i] = (b, pos)
+        self._slot = slot  # type: ignore[assignment]
+
+    def _reset_iteration(self) -> None:
+        n = len(self._params)
+        self._ready = bytearray(n)
+        self._fired = bytearray(n)
+        self._order: list[int] = []
+        self._next_bucket = 0
+        self._unreachable_filled = False
+        self._t_backward: float | None = None
+        for b in self._buckets:
+            b.reset()
+
+    # ------------------------------------------------------------------------------------------
+    # public API
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._failure is not None:
+            raise CommunicationError(
+                "DistributedDataParallel: an earlier collective failed, so the process group can no longer "
+                f"be trusted: {self._failure}"
+            ) from self._failure
+        if self._sync_buffers_next and self.broadcast_buffers and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                self._guarded(
+                    broadcast_coalesced,
+                    buffers,
+                    self._src,
+                    self.process_group,
+                    self.timeout,
+                    "the broadcast of rank 0's buffers before forward",
+                )
+        if self.device_ids is not None:
+            device = torch.device(self._comm_device.type, self.device_ids[0])
+            inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
+        output = self.module(*inputs, **kwargs)
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._sync_buffers_next = sync  # as torch: buffers follow rank 0 before a synchronised step
+        if sync:
+            self._expect_hooks = True
+            tensors = [t for t in _tensors_in(output) if t.requires_grad]
+            if self.find_unused_parameters:
+                self._unreachable = self._unreachable_from(tensors)
+            me = weakref.ref(self)
+            for t in tensors:
+                t.register_hook(functools.partial(_output_grad_hook, me))
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: forwards inside skip the all-reduce in their backward.
+
+        The next synchronised backward reduces everything accumulated, as torch's ``no_sync`` does.
+
+        Example::
+
+            >>> with ddp.no_sync():
+            ...     ddp(x1).sum().backward()  # local only
+            >>> ddp(x2).sum().backward()      # .grad = average over ranks of (g1 + g2)
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: Callable[[Any, GradBucket], Future]) -> None:
+        """Send buckets through ``hook(state, bucket) -> Future[Tensor]`` instead of a plain all-reduce.
+
+        The hook gets the raw local gradients in ``bucket.buffer()`` and must average them itself (the
+        built-in :mod:`tandem.parallel.hooks` divide by the world size); torch's own hooks work too.
+        It can be registered once, before training.
+
+        Example::
+
+            >>> ddp.register_comm_hook(None, tandem.parallel.hooks.bf16_compress_hook)
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: expected a callable hook, got {type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if self._in_backward:
+            raise RuntimeError("register_comm_hook: cannot register a hook during backward")
+        self._comm_state, self._comm_hook = state, hook
+
+    def stats(self) -> DDPStats:
+        """Timings and bytes of the last synchronised backward (see :class:`DDPStats`)."""
+        if self._last_stats is None:
+            raise RuntimeError("DistributedDataParallel.stats(): no synchronised backward has run yet")
+        return self._last_stats
+
+    # ------------------------------------------------------------------------------------------
+    # backward machinery
+
+    def _unreachable_from(self, outputs: list[Tensor]) -> list[int]:
+        """Parameters no gradient of ``outputs`` can reach (a walk of the autograd graph)."""
+        reached = bytearray(len(self._params))
+        stack = []
+        for t in outputs:
+            if t.grad_fn is not None:
+                stack.append(t.grad_fn)
+            elif id(t) in self._index_of:
+                reached[self._index_of[id(t)]] = 1
+        seen = set()
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
+            if variable is not None and id(variable) in self._index_of:
+                reached[self._index_of[id(variable)]] = 1
+            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+        return [i for i, r in enumerate(reached) if not r]
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        if self._t_backward is None:
+            self._t_backward = time.perf_counter()
+        me = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_done, me))
+
+    def _grad_ready(self, i: int, param: Tensor) -> None:
+        if not self._expect_hooks:
+            self._used_since_sync[i] = 1  # no_sync() accumulation: reduced at the next synchronised step
+            return
+        if not self._in_backward:
+            self._begin_backward()
+        if not self._unreachable_filled:
+            # At the first parameter gradient (as torch does): parameters the outputs cannot reach count
+            # as ready now, so their buckets need not wait for the end of backward.
+            self._unreachable_filled = True
+            for j in self._unreachable:
+                self._fill_unused(j)
+        bucket, pos = self._slot[i]
+        if self._ready[i]:
+            if bucket.future is not None or self._fired[i]:
+                self._expect_hooks = self._in_backward = False
+                self._reset_iteration()
+                raise RuntimeError(
+                    f"DistributedDataParallel: parameter {self._names[i]!r} got its gradient after its "
+                    "bucket was sent. It is used by the loss without being reachable from the module's "
+                    "outputs (find_unused_parameters=True counted it as unused); use it inside the "
+                    "module's forward instead."
+                )
+            bucket.pending += 1  # counted as unused at backward start: take the real gradient instead
+        self._copy_in(bucket, pos, param.grad, param, repoint=True)
+        self._ready[i] = 1
+        self._fired[i] = 1
+        if not self._rebuilt:
+            self._order.append(i)
+        bucket.pending -= 1
+        if self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            self._launch_ready()
+
+    def _copy_in(self, bucket: _Bucket, pos: int, grad: Tensor | None, param: Tensor, repoint: bool) -> None:
+        view = bucket.views[pos]
+        # Without a hook the average is taken here, on the copy (torch's reducer does the same); a hook
+        # receives raw gradients and divides itself.
+        scale = 1.0 / self.world_size if self._comm_hook is None else 1.0
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            elif grad.layout != torch.strided:
+                raise RuntimeError(
+                    f"DistributedDataParallel: parameter {self._names[self._index_of[id(param)]]!r} has a "
+                    f"{grad.layout} gradient; tandem only reduces dense gradients (use torch's DDP)"
+                )
+            elif grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+                if scale != 1.0:  # .grad already is the bucket view (gradient_as_bucket_view)
+                    view.mul_(scale)
+            elif scale != 1.0:
+                torch.mul(grad, scale, out=view)
+            else:
+                view.copy_(grad)
+        if repoint and self.gradient_as_bucket_view and param.grad is not view:
+            param.grad = view
+
+    def _fill_unused(self, i: int) -> None:
+        """Count parameter ``i`` as ready: its accumulated ``.grad`` (``no_sync()`` steps) or zeros."""
+        bucket, pos = self._slot[i]
+        param = self._params[i]
+        # .grad is re-pointed at the bucket only if some rank used it (in _copy_out)
+        self._copy_in(bucket, pos, param.grad, param, repoint=False)
+        self._ready[i] = 1
+        bucket.pending -= 1
+
+    def _launch_ready(self) -> None:
+        """Launch, in order, every complete bucket from the next one on (same order on every rank)."""
+        buckets = self._buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            self._launch(buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launch_t = time.perf_counter()
+        if self._comm_hook is None:
+            fut = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True).get_future()
+            bucket.sent_bytes = bucket.nbytes
+        else:
+            grad_bucket = GradBucket(
+                bucket.index,
+                bucket.buffer,
+                list(bucket.views),
+                [self._params[i] for i in bucket.members],
+                bucket.index == len(self._buckets) - 1,
+            )
+            fut = self._comm_hook(self._comm_state, grad_bucket)
+            # Future.then() returns the C++ future class: check what is used, not the Python type.
+            if not (hasattr(fut, "add_done_callback") and hasattr(fut, "wait")):
+                raise TypeError(
+                    f"DistributedDataParallel: a communication hook must return a torch.futures.Future, "
+                    f"got {type(fut).__name__}"
+                )
+            sent = grad_bucket._sent_bytes
+            bucket.sent_bytes = bucket.nbytes if sent is None else sent
+        bucket.future = fut
+        bucket.event = watch(fut, functools.partial(_mark_done, bucket))
+
+    def _finish_backward(self) -> None:
+        t_local_end = time.perf_counter()
+        if not any(self._fired):
+            # A backward that reached the outputs but no parameter (torch.autograd.grad for a gradient
+            # penalty): nothing was launched, nothing to reduce; the real backward is still to come.
+            self._in_backward = False
+            self._reset_iteration()
+            return
+        try:
+            self._complete_and_wait()
+        except CommunicationError as e:
+            self._failure = e
+            raise
+        finally:
+            t_backward = self._t_backward or t_local_end
+            buckets = self._buckets
+            self._expect_hooks = False
+            self._in_backward = False
+            stats_inputs = [(b.launch_t, b.done_t, b.sent_bytes) for b in buckets if b.future is not None]
+            order = self._order
+            self._reset_iteration()
+        self._used_since_sync = bytearray(len(self._params))
+        self._last_stats = DDPStats(
+            backward_s=t_local_end - t_backward,
+            comm_s=_union_length([(a, b) for a, b, _ in stats_inputs]),
+            wait_s=time.perf_counter() - t_local_end,
+            bytes_sent=sum(s for _, _, s in stats_inputs) + self._used_map_bytes(),
+            buckets=len(buckets),
+        )
+        if not self._rebuilt:
+            self._rebuild(order)
+
+    def _used_map_bytes(self) -> int:
+        return 4 * len(self._params) if self.find_unused_parameters else 0
+
+    def _complete_and_wait(self) -> None:
+        missing = [i for i, r in enumerate(self._ready) if not r]
+        if missing:
+            if not self.find_unused_parameters:
+                names = ", ".join(repr(self._names[i]) for i in missing[:10])
+                more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+                raise RuntimeError(
+                    f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in this "
+                    f"backward: {names}{more}. Pass find_unused_parameters=True to DistributedDataParallel "
+                    "if some parameters are legitimately unused in some steps, or make sure every "
+                    "parameter contributes to the loss."
+                )
+            for i in missing:
+                self._fill_unused(i)
+            self._launch_ready()
+
+        deadline = time.monotonic() + self.timeout
+        skip: list[bool] | None = None
+        if self.find_unused_parameters:
+            # A parameter no rank used (this step or in no_sync() steps before it) keeps its .grad
+            # untouched, as with torch.
+            used = [a | b for a, b in zip(self._fired, self._used_since_sync)]
+            counts = torch.tensor(used, dtype=torch.int32, device=self._comm_device)
+            fut = dist.all_reduce(counts, group=self.process_group, async_op=True).get_future()
+            what = "the all-reduce of the used-parameter map"
+            wait_until(fut, watch(fut), deadline, what, self.timeout)
+            skip = [c == 0 for c in counts.tolist()]
+
+        nbuckets = len(self._buckets)
+        for b in self._buckets:
+            what = (
+                f"the all-reduce of gradient bucket {b.index} of {nbuckets} "
+                f"({b.nbytes / _MB:.2f} MiB, {len(b.members)} parameters)"
+            )
+            result = wait_until(b.future, b.event, deadline, what, self.timeout)
+            self._copy_out(b, result, skip)
+
+    def _copy_out(self, bucket: _Bucket, result: Any, skip: list[bool] | None) -> None:
+        """Write bucket ``bucket``'s reduced values (the collective's or hook's result) to ``.grad``."""
+        flat = result[0] if isinstance(result, (list, tuple)) else result
+        if not isinstance(flat, Tensor) or flat.numel() != bucket.buffer.numel():
+            got = f"{flat.numel()} elements" if isinstance(flat, Tensor) else type(flat).__name__
+            raise RuntimeError(
+                f"DistributedDataParallel: the communication hook's future for bucket {bucket.index} "
+                f"returned {got}; expected a tensor of {bucket.buffer.numel()} elements"
+            )
+        with torch.no_grad():
+            in_place = flat.data_ptr() == bucket.buffer.data_ptr()
+            if self.gradient_as_bucket_view and not in_place:
+                bucket.buffer.copy_(flat.view_as(bucket.buffer))
+                in_place = True
+            offset = 0
+            for pos, i in enumerate(bucket.members):
+                view = bucket.views[pos]
+                if skip is not None and skip[i]:
+                    offset += view.numel()
+                    continue
+                param = self._params[i]
+                src = view if in_place else flat[offset : offset + view.numel()].view(view.shape)
+                offset += view.numel()
+                if self.gradient_as_bucket_view:
+                    if param.grad is not view:
+                        param.grad = view
+                elif param.grad is None:
+                    param.grad = src.clone()
+                else:
+                    param.grad.copy_(src)
+
+    def _rebuild(self, order: list[int]) -> None:
+        """Re-cut the buckets in the order gradients became ready on rank 0 (once, after step one)."""
+        n = len(self._params)
+        seen = set(order)
+        order = order + [i for i in reversed(range(n)) if i not in seen]
+        if self.world_size > 1:
+            agreed = torch.tensor(order, dtype=torch.int64, device=self._comm_device)
+            self._guarded(
+                broadcast_coalesced,
+                [agreed],
+                self._src,
+                self.process_group,
+                self.timeout,
+                "the broadcast of rank 0's gradient order (bucket rebuild)",
+            )
+            order = agreed.tolist()
+        if sorted(order) != list(range(n)):
+            raise RuntimeError(
+                f"DistributedDataParallel: rank 0's gradient order is not a permutation: {order}"
+            )
+        self._rebuilt = True
+        if order == [i for b in self._buckets for i in b.members]:
+            return
+        self._build_buckets(order)
+        self._reset_iteration()
+        if self.gradient_as_bucket_view:
+            with torch.no_grad():
+                for b in self._buckets:
+                    for pos, i in enumerate(b.members):
+                        param = self._params[i]
+                        if param.grad is not None:
+                            b.views[pos].copy_(param.grad)
+                            param.grad = b.views[pos]
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except CommunicationError as e:
+            self._failure = e
+            raise
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+# Hooks hold the wrapper weakly: a dropped wrapper leaves the module's parameters with inert hooks.
+def _grad_ready_hook(ref: weakref.ref, i: int, param: Tensor) -> None:
+    ddp = ref()
+    if ddp is not None:
+        ddp._grad_ready(i, param)
+
+
+def _output_grad_hook(ref: weakref.ref, grad: Tensor) -> None:
+    ddp = ref()
+    if ddp is not None and ddp._expect_hooks and not ddp._in_backward:
+        ddp._begin_backward()
+
+
+def _backward_done(ref: weakref.ref) -> None:
+    ddp = ref()
+    if ddp is not None:
+        ddp._finish_backward()

@@ -1,0 +1,435 @@
+"""What each spawned Gloo rank of ``test_ddp.py`` runs, and the models and data both sides share.
+
+A rank runs one scenario and saves its results to ``<result_dir>/rank<r>.pt``; the test process (which
+also computes the single-process references with the same helpers) compares. Each check of the
+``main`` scenario records its own error, so one failing check does not hide the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+
+import tandem
+from tandem.parallel import DistributedDataParallel as TandemDDP
+from tandem.parallel import hooks
+
+TorchDDP = torch.nn.parallel.DistributedDataParallel
+LOCAL_BATCH = 4
+CHECK_TIMEOUT_S = 15.0  # tandem's collective timeout inside the correctness checks
+
+
+# ----------------------------------------------------------------------------------------------
+# models and data (shared with the single-process references in test_ddp.py)
+
+
+def mlp(dtype: torch.dtype = torch.float64, seed: int = 1) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    ).to(dtype)
+
+
+def bn_mlp(seed: int = 2) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    ).double()
+
+
+class GRUNet(torch.nn.Module):
+    """A small DeepSpeech-like stack: bidirectional tandem.nn.GRU layers and a linear head."""
+
+    def __init__(self, seed: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.rnn = tandem.nn.GRU(
+            6, 5, num_layers=2, bidirectional=True, batch_first=True, dtype=torch.float64
+        )
+        self.head = torch.nn.Linear(10, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out)
+
+
+class Branchy(torch.nn.Module):
+    """``c`` is used only when asked; ``frozen`` never needs a gradient."""
+
+    def __init__(self, seed: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(6, 8).double()
+        self.b = torch.nn.Linear(8, 3).double()
+        self.c = torch.nn.Linear(8, 3).double()
+        self.frozen = torch.nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, use_c: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        out = self.b(h) * self.frozen
+        return out + self.c(h) if use_c else out
+
+
+class Ordered(torch.nn.Module):
+    """Parameters registered in the opposite order of their use: the initial buckets are wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.late = torch.nn.Linear(8, 3).double()
+        self.early = torch.nn.Linear(6, 8).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(torch.tanh(self.early(x)))
+
+
+def batch(step: int, world: int, kind: str = "mlp") -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: rank r trains on chunk r, the reference on all of it."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = LOCAL_BATCH * world
+    if kind == "gru":
+        return torch.randn(n, 7, 6, generator=g, dtype=torch.float64), torch.randn(
+            n, 7, 3, generator=g, dtype=torch.float64
+        )
+    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randn(
+        n, 3, generator=g, dtype=torch.float64
+    )
+
+
+def local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return t.chunk(world)[rank]
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y.to(out.dtype)) ** 2).mean()
+
+
+def train(model: torch.nn.Module, steps: int, world: int, rank: int | None, kind: str = "mlp") -> None:
+    """SGD with momentum on ``steps`` batches: a rank's chunk, or the whole batch (``rank=None``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = batch(step, world, kind)
+        if rank is not None:
+            x, y = local(x, rank, world), local(y, rank, world)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+
+def train_no_sync(model: torch.nn.Module, wrapper, rounds: int, micro: int, world: int, rank: int | None):
+    """``micro - 1`` backward passes under no_sync() then one synchronised, per round."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for r in range(rounds):
+        opt.zero_grad()
+        for k in range(micro):
+            x, y = batch(10 * r + k, world)
+            if rank is not None:
+                x, y = local(x, rank, world), local(y, rank, world)
+            sync = wrapper is None or k == micro - 1
+            ctx = wrapper.no_sync() if not sync else _nullcontext()
+            with ctx:
+                loss_fn((wrapper or model)(x), y).backward()
+        opt.step()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# the main scenario: every correctness check in one process group
+
+
+def _check_single_process(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    m = mlp()
+    train(TandemDDP(m, bucket_cap_mb=0, timeout=CHECK_TIMEOUT_S), 3, world, rank)
+    out["tiny_buckets"] = params(m)
+    m = mlp()
+    ddp = TandemDDP(m, bucket_cap_mb=0.0001, gradient_as_bucket_view=True, timeout=CHECK_TIMEOUT_S)
+    train(ddp, 3, world, rank)
+    out["bucket_view"] = params(m)
+    out["bucket_view_is_view"] = all(
+        p.grad is not None and any(p.grad.data_ptr() == v.data_ptr() for b in ddp._buckets for v in b.views)
+        for p in m.parameters()
+    )
+    m = GRUNet()
+    train(TandemDDP(m, timeout=CHECK_TIMEOUT_S), 3, world, rank, kind="gru")
+    out["gru"] = params(m)
+    return out
+
+
+def _check_vs_torch(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    # Ranks start from different weights and see different data: the broadcast and averaging must fix it.
+    m_t, m_d = bn_mlp(seed=2 + rank), bn_mlp(seed=2 + rank)
+    ours = TandemDDP(m_t, timeout=CHECK_TIMEOUT_S)
+    theirs = TorchDDP(m_d)
+    train(ours, 3, world, rank)
+    train(theirs, 3, world, rank)
+    out["tandem"], out["torch"] = params(m_t), params(m_d)
+    st = ours.stats()
+    out["stats"] = {
+        "backward_s": st.backward_s,
+        "comm_s": st.comm_s,
+        "wait_s": st.wait_s,
+        "bytes_sent": st.bytes_sent,
+        "buckets": st.buckets,
+        "overlap": st.overlap,
+        "param_bytes": sum(p.numel() * p.element_size() for p in m_t.parameters()),
+    }
+    out["state_dict_keys"] = (list(ours.state_dict()), list(theirs.state_dict()))
+    theirs.load_state_dict(ours.state_dict())  # prefixes match: loads both ways
+    ours.load_state_dict(theirs.state_dict())
+    return out
+
+
+def _check_no_sync(rank: int, world: int) -> dict[str, Any]:
+    m_t, m_d = mlp(), mlp()
+    train_no_sync(m_t, TandemDDP(m_t, timeout=CHECK_TIMEOUT_S), 2, 3, world, rank)
+    train_no_sync(m_d, TorchDDP(m_d), 2, 3, world, rank)
+    return {"tandem": params(m_t), "torch": params(m_d)}
+
+
+def _unused_schedule(model: torch.nn.Module, ddp, rank: int, world: int) -> list[dict[str, Any]]:
+    """Steps where ``c`` is used on some ranks, on none, and only under no_sync(); grads after each."""
+    recorded = []
+    plan = [
+        (False, rank == 0),  # (no_sync micro-step using c first?, c used in the synchronised step)
+        (False, False),
+        (True, False),  # torch reduces what no_sync() accumulated even for a parameter unused now
+        (True, rank == world - 1),
+        (False, True),
+    ]
+    for step, (pre, use_c) in enumerate(plan):
+        model.zero_grad()
+        x, y = batch(step, world)
+        x, y = local(x, rank, world), local(y, rank, world)
+        if pre:
+            with ddp.no_sync():
+                loss_fn(ddp(x, True), y).backward()
+        loss_fn(ddp(x, use_c), y).backward()
+        recorded.append(grads(model))
+    return recorded
+
+
+def _check_unused(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for view in (False, True):
+        m_t, m_d = Branchy(), Branchy()
+        ours = TandemDDP(
+            m_t, find_unused_parameters=True, gradient_as_bucket_view=view, timeout=CHECK_TIMEOUT_S
+        )
+        theirs = TorchDDP(m_d, find_unused_parameters=True, gradient_as_bucket_view=view)
+        out[f"view={view}"] = (
+            _unused_schedule(m_t, ours, rank, world),
+            _unused_schedule(m_d, theirs, rank, world),
+        )
+    # Without find_unused_parameters an unused parameter is an error at the end of backward, on every rank.
+    m = Branchy()
+    ddp = TandemDDP(m, timeout=CHECK_TIMEOUT_S)
+    x, y = batch(0, world)
+    try:
+        loss_fn(ddp(local(x, rank, world), False), local(y, rank, world)).backward()
+        out["unused_error"] = None
+    except RuntimeError as e:
+        out["unused_error"] = str(e)
+    return out
+
+
+def _torch_bf16_hook(state, bucket):
+    # torch refuses to register its bf16 hook by name unless NCCL is there; Gloo reduces bf16 fine.
+    return torch_hooks.bf16_compress_hook(state, bucket)
+
+
+def _check_hooks(rank: int, world: int) -> dict[str, Any]:
+    """Each hook against torch's on ranks {0, 1} (a sum of two is exact in any order, so the results
+    must agree bit for bit), and tandem's hooks on the whole group."""
+    out: dict[str, Any] = {}
+    x, y = batch(0, world)
+    x, y = local(x, rank, world).float(), local(y, rank, world).float()
+    pair_group = dist.new_group([0, 1])  # every rank must take part in creating it
+    pairs = {
+        "fp16": (hooks.fp16_compress_hook, torch_hooks.fp16_compress_hook),
+        "bf16": (hooks.bf16_compress_hook, _torch_bf16_hook),
+        "allreduce": (hooks.allreduce_hook, torch_hooks.allreduce_hook),
+        "torch_fp16_on_tandem": (torch_hooks.fp16_compress_hook, torch_hooks.fp16_compress_hook),
+    }
+    if rank in (0, 1):
+        for name, (ours_hook, torch_hook) in pairs.items():
+            m_t, m_d = mlp(torch.float32), mlp(torch.float32)
+            ours = TandemDDP(m_t, process_group=pair_group, timeout=CHECK_TIMEOUT_S)
+            theirs = TorchDDP(m_d, process_group=pair_group)
+            ours.register_comm_hook(pair_group, ours_hook)
+            theirs.register_comm_hook(pair_group, torch_hook)
+            loss_fn(ours(x), y).backward()
+            loss_fn(theirs(x), y).backward()
+            out[name] = (grads(m_t), grads(m_d), ours.stats().bytes_sent)
+    for name, hook in (
+        ("fp16", hooks.fp16_compress_hook),
+        ("bf16", hooks.bf16_compress_hook),
+        ("fp32", None),
+    ):
+        m = mlp(torch.float32)
+        ddp = TandemDDP(m, timeout=CHECK_TIMEOUT_S)
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        loss_fn(ddp(x), y).backward()
+        out[f"world_{name}"] = (grads(m), ddp.stats().bytes_sent)
+    m = mlp(torch.float32)
+    loss_fn(m(x), y).backward()
+    out["local"] = grads(m)  # this rank's own gradient, to bound the rounding of the average
+    return out
+
+
+def _check_rebuild(rank: int, world: int) -> dict[str, Any]:
+    m = Ordered()
+    ddp = TandemDDP(m, bucket_cap_mb=0, timeout=CHECK_TIMEOUT_S)
+    names = dict(zip(map(id, ddp._params), ddp._names))
+    layout = lambda: [[names[id(ddp._params[i])] for i in b.members] for b in ddp._buckets]
+    before = layout()
+    train(ddp, 2, world, rank)
+    return {"before": before, "after": layout(), "params": params(m)}
+
+
+def _check_mismatch(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    cases = {
+        "shape": lambda: torch.nn.Linear(6, 9 if rank == world - 1 else 8),
+        "dtype": lambda: torch.nn.Linear(6, 8).to(torch.float64 if rank == 1 else torch.float32),
+        "count": lambda: torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 + (rank == 0))]),
+    }
+    for name, make in cases.items():
+        try:
+            TandemDDP(make(), timeout=CHECK_TIMEOUT_S)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "single_process": _check_single_process,
+    "vs_torch": _check_vs_torch,
+    "no_sync": _check_no_sync,
+    "unused": _check_unused,
+    "hooks": _check_hooks,
+    "rebuild": _check_rebuild,
+    "mismatch": _check_mismatch,
+}
+
+
+def scenario_main(rank: int, world: int) -> dict[str, Any]:
+    results = {}
+    for name, check in MAIN_CHECKS.items():
+        try:
+            results[name] = check(rank, world)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            if isinstance(results[name], dict) and "CommunicationError" in results[name]["error"]:
+                break  # the group is broken: the later checks would only time out
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# failure scenarios: a rank dies or hangs in the middle of backward
+
+
+class _Trap(torch.autograd.Function):
+    """Identity whose backward kills (``"kill"``) or stalls (``"stall"``) this rank."""
+
+    @staticmethod
+    def forward(ctx, x, action):
+        ctx.action = action
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif ctx.action == "stall":
+            time.sleep(120)
+        return g, None
+
+
+class Trapped(torch.nn.Module):
+    def __init__(self, action: str | None) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.bottom = torch.nn.Linear(6, 64)
+        self.top = torch.nn.Linear(64, 3)
+        self.action = action
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.bottom(x))
+        if self.action is not None:
+            h = _Trap.apply(h, self.action)
+        return self.top(h)
+
+
+def scenario_failure(rank: int, world: int, victim: int, action: str, timeout: float) -> dict[str, Any]:
+    model = Trapped(None)
+    ddp = TandemDDP(model, bucket_cap_mb=0, timeout=timeout)
+    x = torch.randn(LOCAL_BATCH, 6)
+    ddp(x).sum().backward()  # one healthy step: buckets rebuilt, everyone alive
+    model.action = action if rank == victim else None
+    out: dict[str, Any] = {"error": None}
+    start = time.monotonic()
+    try:
+        ddp(x).sum().backward()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["elapsed"] = time.monotonic() - start
+    try:  # the wrapper remembers: the next step fails at once instead of waiting again
+        start = time.monotonic()
+        ddp(x)
+        out["next_forward"] = None
+    except Exception as e:
+        out["next_forward"] = f"{type(e).__name__}: {e}"
+    out["next_elapsed"] = time.monotonic() - start
+    return out
+
+
+SCENARIOS = {"main": scenario_main, "failure": scenario_failure}
+
+
+def entry(rank: int, world: int, store: str, result_dir: str, scenario: str, options: dict[str, Any]) -> None:
+    """Process entry point: run ``scenario`` as ``rank`` and save what it returns (or its error)."""
+    torch.set_num_threads(1)
+    # Fresh torch.empty memory is NaN (as in conftest.py): a bucket slot left unwritten would show.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        result = SCENARIOS[scenario](rank, world, **options)
+    except Exception:
+        result = {"fatal": traceback.format_exc()}
+    torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    # No process-group teardown: after a peer died it could block; the test reads the file.
+    os._exit(0)

@@ -1,0 +1,240 @@
+"""tandem.parallel.DistributedDataParallel on spawned Gloo ranks (127.0.0.1, file store), against
+single-process training on the concatenated batch and against torch's DistributedDataParallel.
+
+Three process groups in all: one runs every correctness check (3 ranks, so the average is not over a
+power of two), two have a rank die or stall in the middle of backward. Every wait is bounded and
+every process is killed at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+import _ddp_workers as w
+import pytest
+import torch
+
+import tandem
+
+WORLD = 3
+
+
+def run_group(tmp: Path, scenario: str, world: int, timeout_s: float, **options: Any) -> list[Any]:
+    """Spawn ``world`` ranks running ``scenario``; each rank's saved result (None if it left none)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=w.entry, args=(r, world, str(tmp / "store"), str(tmp), scenario, options), daemon=True
+        )
+        for r in range(world)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for r, p in enumerate(procs):
+            # A rank that is meant to stall never exits: stop waiting for it once the others reported.
+            if options.get("action") == "stall" and r == options.get("victim"):
+                continue
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    results = []
+    for r in range(world):
+        path = tmp / f"rank{r}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else None)
+    return results
+
+
+@pytest.fixture(scope="module")
+def main_results(tmp_path_factory) -> list[dict[str, Any]]:
+    results = run_group(tmp_path_factory.mktemp("ddp-main"), "main", WORLD, timeout_s=100)
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} left no result (crashed or timed out)"
+        assert "fatal" not in res, f"rank {r}: {res.get('fatal')}"
+    return results
+
+
+def check(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    per_rank = [res.get(name) for res in results]
+    for r, res in enumerate(per_rank):
+        assert res is not None, f"rank {r} did not reach check {name!r}"
+        assert "error" not in res, f"rank {r}, check {name!r}:\n{res.get('error')}"
+    return per_rank
+
+
+def assert_same_state(got: dict, want: dict, **tol) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        if want[k] is None or got[k] is None:
+            assert got[k] is None and want[k] is None, f"{k}: one gradient is None, the other is not"
+        else:
+            torch.testing.assert_close(got[k], want[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
+
+
+# float64 end to end: only the order of the sums differs from the reference.
+TIGHT = dict(rtol=1e-12, atol=1e-13)
+
+
+def reference(make, steps: int, kind: str = "mlp") -> dict[str, torch.Tensor]:
+    model = make()
+    w.train(model, steps, WORLD, None, kind)
+    return w.params(model)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("variant", ["tiny_buckets", "bucket_view", "gru"])
+def test_equals_single_process_on_concatenated_batch(main_results, variant):
+    per_rank = check(main_results, "single_process")
+    want = reference(w.GRUNet, 3, "gru") if variant == "gru" else reference(w.mlp, 3)
+    for res in per_rank:
+        assert_same_state(res[variant], want, **TIGHT)
+    if variant == "bucket_view":
+        assert all(res["bucket_view_is_view"] for res in per_rank)
+
+
+def test_equals_torch_ddp_with_buffers(main_results):
+    for res in check(main_results, "vs_torch"):
+        assert_same_state(res["tandem"], res["torch"], **TIGHT)
+        ours_keys, torch_keys = res["state_dict_keys"]
+        assert ours_keys == torch_keys and ours_keys[0].startswith("module.")
+    # Parameters are identical everywhere; buffers are rank 0's before each forward, then each rank's
+    # forward updates its own running statistics (so they only agree with torch's, checked above).
+    per_rank = check(main_results, "vs_torch")
+    weights = lambda state: {k: v for k, v in state.items() if "running" not in k and "batches" not in k}
+    for res in per_rank[1:]:
+        assert_same_state(weights(res["tandem"]), weights(per_rank[0]["tandem"]), rtol=0, atol=0)
+
+
+def test_stats(main_results):
+    for res in check(main_results, "vs_torch"):
+        st = res["stats"]
+        assert st["bytes_sent"] == st["param_bytes"]
+        assert st["buckets"] == 1  # a tiny model fits the 1 MiB first bucket
+        assert st["backward_s"] > 0 and st["comm_s"] > 0 and st["wait_s"] >= 0
+        assert 0 <= st["overlap"] <= 1
+
+
+def test_no_sync_accumulation(main_results):
+    model = w.mlp()
+    w.train_no_sync(model, None, 2, 3, WORLD, None)
+    want = w.params(model)
+    for res in check(main_results, "no_sync"):
+        assert_same_state(res["torch"], want, **TIGHT)  # the reference is right
+        assert_same_state(res["tandem"], want, **TIGHT)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket_view"])
+def test_unused_parameters_match_torch(main_results, view):
+    per_rank = check(main_results, "unused")
+    for r, res in enumerate(per_rank):
+        ours, theirs = res[f"view={view}"]
+        for step, (got, want) in enumerate(zip(ours, theirs)):
+            try:
+                assert_same_state(got, want, **TIGHT)
+            except AssertionError as e:
+                raise AssertionError(f"rank {r}, step {step}: {e}") from None
+
+
+def test_unused_parameter_without_find_unused_is_an_error_on_every_rank(main_results):
+    for res in check(main_results, "unused"):
+        msg = res["unused_error"]
+        assert msg is not None and "'c.weight'" in msg and "find_unused_parameters=True" in msg
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "allreduce", "torch_fp16_on_tandem"])
+def test_comm_hooks_match_torch_hooks(main_results, name):
+    # On a group of two ranks (the process_group argument): bit for bit the same as torch's hooks.
+    for res in check(main_results, "hooks")[:2]:
+        ours, theirs, sent = res[name]
+        assert_same_state(ours, theirs, rtol=0, atol=0)
+        param_bytes = sum(g.numel() * 4 for g in ours.values())
+        if name != "torch_fp16_on_tandem":  # torch's hook cannot tell tandem what it sent
+            assert sent == (param_bytes if name == "allreduce" else param_bytes // 2)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_compression_hooks_on_three_ranks(main_results, name):
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    per_rank = check(main_results, "hooks")
+    # The average's rounding error scales with the size of what is summed, not with the (possibly
+    # cancelling) result: a bound per element from the ranks' own gradients.
+    scale = {k: sum(res["local"][k].abs() for res in per_rank) / WORLD for k in per_rank[0]["local"]}
+    for res in per_rank:
+        ours, sent = res[f"world_{name}"]
+        full, full_sent = res["world_fp32"]
+        assert sent * 2 == full_sent
+        # The hook really compressed: every averaged gradient is a value of the half type...
+        for g in ours.values():
+            assert torch.equal(g, g.to(dtype).float())
+        # ...within a few roundings (the cast, the division, two additions) of the float32 average.
+        eps = torch.finfo(dtype).eps
+        for k in full:
+            err = (ours[k] - full[k]).abs()
+            assert (err <= 4 * eps * scale[k] + 1e-7).all(), f"{k}: error {err.max()} beyond 4 eps"
+
+
+def test_buckets_rebuilt_in_ready_order(main_results):
+    per_rank = check(main_results, "rebuild")
+    before, after = per_rank[0]["before"], per_rank[0]["after"]
+    # Initially the reverse of registration order (early.* first); backward produces late.* first.
+    assert [n for b in before for n in b][:2] == ["early.bias", "early.weight"]
+    assert {n for b in after[:2] for n in b} == {"late.weight", "late.bias"}
+    assert all(res["after"] == after for res in per_rank)  # rank 0's order, everywhere
+    assert_same_state(per_rank[0]["params"], reference(w.Ordered, 2), **TIGHT)
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "count"])
+def test_mismatched_models_rejected_on_every_rank(main_results, case):
+    for r, res in enumerate(check(main_results, "mismatch")):
+        msg = res[case]
+        assert msg is not None, f"rank {r} accepted a model that differs across ranks"
+        assert "differ across ranks" in msg
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_mid_backward_makes_the_others_raise(tmp_path):
+    timeout = 5.0
+    results = run_group(tmp_path, "failure", 3, timeout_s=45, victim=2, action="kill", timeout=timeout)
+    assert results[2] is None  # the victim died without a word
+    for r in (0, 1):
+        res = results[r]
+        assert res is not None and "fatal" not in res, f"rank {r}: {res}"
+        assert res["error"] is not None and res["error"].startswith("CommunicationError"), res
+        assert res["elapsed"] < timeout + 2.0, res
+        assert res["next_forward"] is not None and "earlier collective failed" in res["next_forward"]
+        assert res["next_elapsed"] < 1.0
+
+
+@pytest.mark.timeout(60)
+def test_stalled_rank_makes_the_others_raise_after_the_timeout(tmp_path):
+    timeout = 2.0
+    results = run_group(tmp_path, "failure", 2, timeout_s=40, victim=1, action="stall", timeout=timeout)
+    res = results[0]
+    assert res is not None and "fatal" not in res, res
+    assert res["error"] is not None and "waited 2 s" in res["error"], res
+    assert timeout - 0.1 < res["elapsed"] < timeout + 2.0, res
+
+
+def test_arguments_are_checked():
+    module = torch.nn.Linear(2, 2)
+    if not torch.distributed.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            tandem.parallel.DistributedDataParallel(module)
+
+
+def test_bucket_assignment():
+    from tandem.parallel.buckets import bucket_assignment
+
+    ps = [torch.zeros(100), torch.zeros(100), torch.zeros(10, dtype=torch.float64), torch.zeros(300)]
+    # caps: first bucket per (device, dtype) 400 bytes, then 1000 bytes; dtypes never share a bucket.
+    assert bucket_assignment([3, 2, 1, 0], ps, caps=[400, 1000]) == [[3], [2], [1, 0]]
+    assert bucket_assignment([0, 1, 2, 3], ps, caps=[0]) == [[0], [1], [2], [3]]
+    assert bucket_assignment([0, 1, 2, 3], ps, caps=[10**9]) == [[0, 1, 3], [2]]
