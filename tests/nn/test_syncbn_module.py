@@ -340,6 +340,32 @@ def check_masked(rank: int, batches: list[int]) -> None:
     rep.finish()
 
 
+def check_bench_baseline(rank: int, batches: list[int]) -> None:
+    """The benchmark's sum/sum-of-squares baseline is right at an ordinary scale (so the bench compares
+    against working code), with one all_reduce each way."""
+    from tandem.bench.syncbn import _SumSquaresModule
+
+    rep = Report()
+    full = torch.randn(sum(batches), C, 6, generator=_gen("bench")) * 2 + 1
+    grad = torch.randn(full.shape, generator=_gen("bench", "g"))
+    part = _slice(batches, rank)
+    ours, ref = _SumSquaresModule(C), torch.nn.BatchNorm1d(C)
+    x = full[part].clone().requires_grad_()
+    with counting() as fwd:
+        y = ours(x)
+    with counting() as bwd:
+        (y * grad[part]).sum().backward()
+    xr = full.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * grad).sum().backward()
+    rep.close("y", y, yr[part], atol=1e-4)
+    rep.close("dx", x.grad, xr.grad[part], atol=1e-4)
+    rep.close("sum dw", _all_sum(ours.weight.grad), ref.weight.grad, atol=1e-3)
+    rep.close("running_var", ours.running_var, ref.running_var, atol=1e-4)
+    rep.true("one collective each way", fwd.total == bwd.total == (1, 1), f"{vars(fwd)} {vars(bwd)}")
+    rep.finish()
+
+
 def check_process_group(rank: int, batches: list[int]) -> None:
     """Statistics shared within ``process_group`` only: ranks 1 and 2 of 3 against BN on their batch."""
     group = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -363,6 +389,8 @@ def _checks(world: int) -> dict[str, Callable[[int, list[int]], None]]:
         f"equal-{case}": (lambda r, b, case=case: check_equal_to_batchnorm(r, b, case)) for case in CASES
     }
     checks.update(collectives=check_collectives, large_offset=check_large_offset, masked=check_masked)
+    if world == 2:
+        checks["bench_baseline"] = check_bench_baseline
     if world == 3:
         checks["process_group"] = check_process_group
     return checks
@@ -458,6 +486,11 @@ def test_large_offset_float32(verdicts, world):
 @pytest.mark.parametrize("world", WORLD_IDS)
 def test_masked_statistics(verdicts, world):
     _assert_ok(verdicts, world, "masked")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+def test_bench_baseline_is_batchnorm(verdicts):
+    _assert_ok(verdicts, 2, "bench_baseline")
 
 
 @pytest.mark.timeout(JOIN_TIMEOUT_S + 30)

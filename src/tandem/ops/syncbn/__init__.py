@@ -11,8 +11,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from tandem._backend import use_triton
 from tandem.ops.syncbn import op as _op  # noqa: F401  (registers torch.ops.tandem.syncbn_*)
-from tandem.ops.syncbn.reference import acc_dtype, syncbn_pack_ref, syncbn_unpack_ref
+from tandem.ops.syncbn.reference import (
+    acc_dtype,
+    syncbn_bwd_reduce_ref,
+    syncbn_bwd_ref,
+    syncbn_fwd_ref,
+    syncbn_pack_ref,
+    syncbn_stats_ref,
+    syncbn_unpack_ref,
+)
 
 __all__ = ["sync_batch_norm", "sync_group"]
 
@@ -118,39 +127,53 @@ def _dense(x: Tensor) -> Tensor:
     return x
 
 
+def _eager_reference(x: Tensor) -> bool:
+    """Call the reference kernels directly, lending them the output as scratch (see ``reference._scratch``):
+    plain eager mode on the reference backend. Under torch.compile or a dispatch mode the registered
+    ops run (same kernels, no buffer lending)."""
+    return not (use_triton(x) or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0)
+
+
 class _SyncBatchNorm(torch.autograd.Function):
     """The autograd of synchronized batch norm: kernels and collectives, one all_reduce each way."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mask, running_mean, running_var, batch_stats, momentum, eps, group):
         acc = acc_dtype(x.dtype)
+        eager = _eager_reference(x)
+        # the output, lent to the statistics pass as its scratch first (same dtype only)
+        y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if eager else None
         count = None
         if batch_stats:
-            mean_l, m2_l, count_l = torch.ops.tandem.syncbn_stats(x, mask)
+            if eager:
+                mean_l, m2_l, count_l = syncbn_stats_ref(x, mask, scratch=y)
+            else:
+                mean_l, m2_l, count_l = torch.ops.tandem.syncbn_stats(x, mask)
             packed = syncbn_pack_ref(mean_l, m2_l, count_l)  # float64 [2C + 1]
             if group is not None:
                 dist.all_reduce(packed, group=group)
-            mean64, m2, count = syncbn_unpack_ref(packed)
+            mean, m2, count = syncbn_unpack_ref(packed)  # float64: the kernels split the mean into hi + lo
             # The frame count is on the host for CPU tensors only; on CUDA the check would cost a sync.
             if not packed.is_cuda and float(count) <= 1:
                 raise ValueError(
                     "Expected more than 1 value per channel when training, got "
                     f"{int(count)} frame(s) over all ranks"
                 )
-            var64 = m2 / count.clamp(min=1)
+            var = m2 / count.clamp(min=1)
             if running_mean is not None and running_var is not None:
                 with torch.no_grad():
-                    unbiased = m2 / (count - 1)
-                    _update(running_mean, mean64, momentum)
-                    _update(running_var, unbiased, momentum)
-            mean = mean64  # float64: the kernels split it into hi + lo
-            invstd = torch.rsqrt(var64 + eps).to(acc)
+                    _update(running_mean, mean, momentum)
+                    _update(running_var, m2 / (count - 1), momentum)  # unbiased
+            invstd = torch.rsqrt(var + eps).to(acc)
             count = count.to(acc)
         else:
             # a copy: the buffer may move on (a later training step) before this backward runs
             mean = running_mean.to(torch.float64, copy=True)
             invstd = torch.rsqrt(running_var.to(acc) + eps)
-        y = torch.ops.tandem.syncbn_fwd(x, mean, invstd, weight, bias, mask)
+        if eager:
+            y = syncbn_fwd_ref(x, mean, invstd, weight, bias, mask, out=y)
+        else:
+            y = torch.ops.tandem.syncbn_fwd(x, mean, invstd, weight, bias, mask)
         ctx.save_for_backward(x, weight, mean, invstd, mask, count)
         ctx.group = group
         ctx.batch_stats = batch_stats
@@ -161,16 +184,23 @@ class _SyncBatchNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd, mask, count = ctx.saved_tensors
         need_dx, need_w, need_b = ctx.needs_input_grad[:3]
-        dx = dw = db = None
+        eager = _eager_reference(x)
+        dx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if eager else None
+        dw = db = None
         sums = None
         if (ctx.batch_stats and need_dx) or need_w or need_b:
-            sum_dy, sum_dy_xhat = torch.ops.tandem.syncbn_bwd_reduce(dy, x, mean, invstd, mask)
+            if eager:
+                sum_dy, sum_dy_xhat = syncbn_bwd_reduce_ref(dy, x, mean, invstd, mask, scratch=dx)
+            else:
+                sum_dy, sum_dy_xhat = torch.ops.tandem.syncbn_bwd_reduce(dy, x, mean, invstd, mask)
             if need_w:
                 dw = sum_dy_xhat.to(weight.dtype)
             if need_b:
                 db = sum_dy.to(ctx.bias_dtype)
             sums = (sum_dy, sum_dy_xhat)
-        if need_dx:
+        if not need_dx:
+            dx = None
+        else:
             if ctx.batch_stats:
                 combined = torch.cat(sums)  # [2C]: the sums of every rank, then divided by all frames
                 if ctx.group is not None:
@@ -178,7 +208,10 @@ class _SyncBatchNorm(torch.autograd.Function):
                 mean_dy, mean_dy_xhat = (combined / count.clamp(min=1)).chunk(2)
             else:  # fixed (running) statistics: y is affine in x
                 mean_dy = mean_dy_xhat = torch.zeros_like(invstd)
-            dx = torch.ops.tandem.syncbn_bwd(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask)
+            if eager:
+                dx = syncbn_bwd_ref(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask, out=dx)
+            else:
+                dx = torch.ops.tandem.syncbn_bwd(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask)
         return dx, dw, db, None, None, None, None, None, None, None
 
 
