@@ -92,6 +92,31 @@ def _check_out(out: Path, resume: bool) -> str | None:
     return None
 
 
+# Options only the launcher reads; the workers learn their world from torchrun's environment.
+_LAUNCHER_OPTIONS = ("nproc", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    """The workers' options as ``--name=value``: torchrun's parser prefix-matches any ``--name`` it sees
+    (``--nproc`` is "ambiguous" with its ``--nproc-per-node``), so launcher options are not forwarded."""
+    argv = []
+    for action in _train_parser_actions():
+        if action.dest in _LAUNCHER_OPTIONS or not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None:
+            argv.append(f"{action.option_strings[0]}={value}")
+    return argv
+
+
+def _train_parser_actions() -> list[argparse.Action]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return parser._actions
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Validate everything, then train here (under torchrun, or one process) or launch torchrun."""
     from tandem.data import JAPANESE_VOWELS, load_npz
@@ -134,7 +159,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"--nproc-per-node={args.nproc}",
         "-m",
         "tandem",
-        *args.argv[args.argv.index("train") :],
+        "train",
+        *_worker_argv(args),
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.call(command, env=env)
