@@ -74,12 +74,13 @@ def counting() -> Iterator[Counter]:
             saved.append((module, name, fn))
             setattr(module, name, wrapped)
     try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        # the legacy (non-kineto) profiler: it sees the c10d ops too and starts in ms, not seconds
+        with torch.autograd.profiler.profile(use_kineto=False) as prof:
             yield counter
     finally:
         for module, name, fn in saved:
             setattr(module, name, fn)
-    for event in prof.events():
+    for event in prof.function_events:
         if event.name.startswith("c10d::"):
             counter.c10d[event.name] = counter.c10d.get(event.name, 0) + 1
 
