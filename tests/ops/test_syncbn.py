@@ -12,17 +12,12 @@ interpreter, which ``tandem._backend`` only honours when the environment says so
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tandem import _backend
 from tandem.ops.syncbn import _SyncBatchNorm, sync_batch_norm
 from tandem.ops.syncbn.reference import (
     merge_stats_ref,
@@ -33,6 +28,7 @@ from tandem.ops.syncbn.reference import (
     syncbn_stats_ref,
     syncbn_unpack_ref,
 )
+from triton_support import TRITON_DEVICE, needs_triton, run_under_interpreter
 
 OPS = torch.ops.tandem
 
@@ -219,33 +215,9 @@ def test_opcheck(masked):
 # Triton kernels against the reference
 
 
-def _triton_device() -> str | None:
-    if not _backend.triton_available():
-        return None
-    if _backend.FORCE_TRITON:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else None
-
-
-TRITON_DEVICE = _triton_device()
-needs_triton = pytest.mark.skipif(
-    TRITON_DEVICE is None,
-    reason="no GPU: runs in test_triton_kernels_under_interpreter's subprocess (TRITON_INTERPRET=1)",
-)
-
-
-@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
-@pytest.mark.skipif(_backend.FORCE_TRITON, reason="already the interpreter run")
 @pytest.mark.timeout(300)
 def test_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", TANDEM_FORCE_TRITON="1")
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH")) if x)
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-k", "triton_kernel_", "-p", "no:cacheprovider"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-    tail = run.stdout[-6000:] + run.stderr[-3000:]
-    assert run.returncode == 0, tail
-    assert " passed" in run.stdout and "skipped" not in run.stdout, tail
+    run_under_interpreter(__file__, timeout=280)
 
 
 # name: (shape, memory format or "transposed", masked, dtype, offset)
