@@ -191,7 +191,7 @@ def _train(args: argparse.Namespace, device: torch.device, group: _Group) -> int
         batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
         batches = [b for b in batches if len(b) >= group.world]  # every rank gets at least one sequence
         bar = (
-            progress(batches, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=True)
+            progress(batches, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False)
             if progress
             else batches
         )
