@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from tandem.nn.gru import GRU
+from tandem.nn.lstm import LSTM
 
-__all__ = ["GRU"]
+__all__ = ["GRU", "LSTM"]

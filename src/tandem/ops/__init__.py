@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from tandem.ops.gru import gru
+from tandem.ops.lstm import lstm
 
-__all__ = ["gru"]
+__all__ = ["gru", "lstm"]

@@ -1,0 +1,235 @@
+"""LSTM in plain PyTorch: the CPU kernel of ``tandem::lstm_fwd`` / ``tandem::lstm_bwd`` and the oracle
+the GPU kernels are to be tested against.
+
+One call runs one layer, both directions at once, over a batch in the packed layout of
+:mod:`tandem.ops._packed` (rows of ``PackedSequence.data``; the reverse direction starts at each
+sequence's own last frame), with torch.nn.LSTM's gate math and gate order (i, f, g, o)::
+
+    i, f, o = sigmoid(.), g = tanh(.)      of  W_ih x + b_ih + W_hh h_prev + b_hh
+    c = f * c_prev + i * g
+    h = o * tanh(c)                        (times W_hr^T when there is a projection, proj_size = R)
+
+Saved activations (what the backward needs, so it recomputes nothing) are step-packed and
+direction-major (``[D, P, ...]``): the gate activations, the cell states and tanh(c), the unprojected
+``o * tanh(c)`` when there is a projection, and the output states of the reverse direction.
+
+torch's tanh costs ~3-5 sigmoids on the CPU, so g = tanh(a) is computed as 2 * sigmoid(2a) - 1 with the
+factor 2 folded into the g rows of both projection weights (and of the bias): all four gates then take
+one in-place sigmoid per step. The saved ``gates`` therefore hold (i, f, sigmoid(2a_g), o).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tandem.ops._packed import PackedSteps
+
+__all__ = ["lstm_fwd_ref", "lstm_bwd_ref"]
+
+
+def _gate_scale(hid: int, like: Tensor) -> Tensor:
+    """``[4H, 1]``: 2 on the g rows (see the module docstring), 1 elsewhere."""
+    return like.new_tensor([1.0, 1.0, 2.0, 1.0]).repeat_interleave(hid).unsqueeze(1)
+
+
+def _by_direction(x: Tensor, steps: PackedSteps, directions: int) -> Tensor:
+    """``[D, P, I]``: the input rows in each direction's step-packed order."""
+    return x.unsqueeze(0) if directions == 1 else torch.stack([x, x.index_select(0, steps.rev_rows)])
+
+
+def _last(t: Tensor, steps: PackedSteps, batch: int) -> Tensor:
+    """``[D, B, ...]``: each sequence's row of its last step in a step-packed ``[D, P, ...]`` buffer."""
+    return t[:, t.shape[1] - batch :].clone() if steps.uniform else t.index_select(1, steps.last_rows)
+
+
+def lstm_fwd_ref(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One LSTM layer, all directions. Returns ``(y, h_n, c_n, gates, cells, tanh_c, hr, states)``.
+
+    Shapes (R = proj_size, or H without projection): x [P, I], batch_sizes [T] (int64, CPU),
+    h0 [D, B, R], c0 [D, B, H], w_ih [D, 4H, I], w_hh [D, 4H, R], b_ih/b_hh [D, 4H] or None,
+    w_hr [D, R, H] or None; y [P, D*R] (time-packed), h_n [D, B, R], c_n [D, B, H]. Saved for the
+    backward: gates [D, P, 4H] (i, f, sigmoid(2 a_g), o), cells and tanh_c [D, P, H], hr [D, P, H]
+    (o * tanh(c), empty without projection) and states [D, P, R] (every step's output, step-packed;
+    empty with one direction, where it is ``y`` itself).
+    """
+    d_, batch, hid = c0.shape
+    out_size = h0.shape[2]
+    total = x.shape[0]
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="lstm")
+    scale = _gate_scale(hid, x)
+
+    # Input projection of every step and both directions in one batched matmul, both biases folded in.
+    xs = _by_direction(x, steps, d_)  # [D, P, I]
+    gates = x.new_empty(d_, total, 4 * hid)  # gates: [D, P, 4H]
+    w_in = (w_ih * scale).transpose(1, 2)  # [D, I, 4H]
+    if b_ih is not None:
+        torch.baddbmm(((b_ih + b_hh) * scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
+    else:
+        torch.bmm(xs, w_in, out=gates)
+    del xs
+
+    cells = x.new_empty(d_, total, hid)  # cells: [D, P, H]
+    tanh_c = x.new_empty(d_, total, hid)  # tanh_c: [D, P, H]
+    y = x.new_empty(total, d_ * out_size)  # y: [P, D*R], time-packed
+    states = y.view(1, total, out_size) if d_ == 1 else x.new_empty(d_, total, out_size)  # [D, P, R]
+    hr = x.new_empty(d_, total, hid) if w_hr is not None else states  # o * tanh(c): [D, P, H]
+
+    w_hh_t = (w_hh * scale).transpose(1, 2)  # [D, R, 4H]
+    w_hr_t = w_hr.transpose(1, 2) if w_hr is not None else None  # [D, H, R]
+    g_all = steps.split(gates)
+    g_i, g_f, g_g, g_o = (steps.split(gates[..., k * hid : (k + 1) * hid]) for k in range(4))
+    c_out, tc, hr_out, h_out = steps.split(cells), steps.split(tanh_c), steps.split(hr), steps.split(states)
+    h_prev = [h0] + [h_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
+    c_prev = [c0] + [c_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
+    for s in range(len(steps.sizes)):
+        g_all[s].baddbmm_(h_prev[s], w_hh_t).sigmoid_()
+        # c = f * c_prev + i * g, with g = 2 * sigmoid(2a) - 1: i * g = 2 * i * sigmoid(2a) - i
+        torch.mul(g_f[s], c_prev[s], out=c_out[s]).addcmul_(g_i[s], g_g[s], value=2.0).sub_(g_i[s])
+        torch.tanh(c_out[s], out=tc[s])
+        torch.mul(g_o[s], tc[s], out=hr_out[s])
+        if w_hr_t is not None:
+            torch.bmm(hr_out[s], w_hr_t, out=h_out[s])
+
+    if d_ == 2:
+        y[:, :out_size].copy_(states[0])
+        y[:, out_size:].copy_(states[1].index_select(0, steps.rev_rows))
+    h_n, c_n = _last(states, steps, batch), _last(cells, steps, batch)
+    empty = x.new_empty(0)
+    return (
+        y,
+        h_n,
+        c_n,
+        gates,
+        cells,
+        tanh_c,
+        hr if w_hr is not None else empty,
+        states if d_ == 2 else empty.clone(),
+    )
+
+
+def lstm_bwd_ref(
+    dy: Tensor | None,
+    dh_n: Tensor | None,
+    dc_n: Tensor | None,
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    w_hr: Tensor | None,
+    y: Tensor,
+    gates: Tensor,
+    cells: Tensor,
+    tanh_c: Tensor,
+    hr: Tensor,
+    states: Tensor,
+    has_bias: bool,
+    need_dx: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward of :func:`lstm_fwd_ref`. Returns ``(dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr)``.
+
+    ``dy`` [P, D*R], ``dh_n`` [D, B, R] and ``dc_n`` [D, B, H] may be None (that output was not used).
+    Empty tensors come back for the bias gradients without bias, for ``dw_hr`` without projection and
+    for ``dx`` unless ``need_dx`` (the first layer of a model, whose input needs no gradient).
+    """
+    d_, batch, hid = c0.shape
+    out_size = h0.shape[2]
+    total = x.shape[0]
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="lstm")
+    sizes = steps.sizes
+    scale = _gate_scale(hid, x)
+    if d_ == 1:
+        states = y.view(1, total, out_size)
+    if w_hr is None:
+        hr = states
+
+    # dL/dh and dL/dc, step-packed, seeded with the gradients of the outputs and of h_n / c_n; the loop
+    # adds the recurrent part in place, so grad_h ends up as the full dL/dh that dW_hr needs.
+    grad_h = x.new_empty(d_, total, out_size)  # [D, P, R]
+    if dy is None:
+        grad_h.zero_()
+    else:
+        grad_h[0].copy_(dy[:, :out_size])
+        if d_ == 2:
+            torch.index_select(dy[:, out_size:], 0, steps.rev_rows, out=grad_h[1])
+    grad_c = x.new_zeros(d_, total, hid)  # [D, P, H]
+    for grad, last in ((grad_h, dh_n), (grad_c, dc_n)):
+        if last is None:
+            continue
+        if steps.uniform:
+            grad[:, total - batch :].add_(last)
+        else:
+            grad.index_add_(1, steps.last_rows, last)
+
+    # Local derivatives, for all steps at once: the loop then only multiplies them by dL/dc and dL/dh.
+    # k = (dc/dz_i, dc/dz_f, dc/dz_g, dh/dz_o) with z the (scaled) gate pre-activations.
+    k = torch.addcmul(gates, gates, gates, value=-1)  # sigmoid' = a (1 - a): [D, P, 4H]
+    i, sg, o = (gates[..., a * hid : (a + 1) * hid] for a in (0, 2, 3))
+    k_i, k_f, k_g, k_o = (k[..., a * hid : (a + 1) * hid] for a in range(4))
+    k_i.mul_(sg * 2 - 1)  # g sigmoid'(z_i)
+    k_g.mul_(i).mul_(2.0)  # i d(2 sigmoid(z_g) - 1)/dz_g
+    if steps.uniform:
+        k_f[:, :batch].mul_(c0)  # c_prev sigmoid'(z_f)
+        k_f[:, batch:].mul_(cells[:, : total - batch])
+    else:
+        k_f.mul_(torch.cat([c0, cells], 1).index_select(1, steps.prev_rows))
+    k_o.mul_(tanh_c)  # tanh(c) sigmoid'(z_o)
+    k_c = torch.addcmul(o, hr, tanh_c, value=-1)  # dh_raw -> dc: o (1 - tanh(c)^2): [D, P, H]
+
+    dz = x.new_empty(d_, total, 4 * hid)  # dL/dz: [D, P, 4H]
+    w_hh_s = w_hh * scale  # [D, 4H, R]
+    k_ifg = [t.view(d_, n, 3, hid) for t, n in zip(steps.split(k[..., : 3 * hid]), sizes)]
+    dz_ifg = [t.view(d_, n, 3, hid) for t, n in zip(steps.split(dz[..., : 3 * hid]), sizes)]
+    k_o_s, k_c_s, dz_o = steps.split(k_o), steps.split(k_c), steps.split(dz[..., 3 * hid :])
+    dz_s, g_h, g_c = steps.split(dz), steps.split(grad_h), steps.split(grad_c)
+    g_f = steps.split(gates[..., hid : 2 * hid])
+    work = x.new_empty(d_ * batch * hid) if w_hr is not None else None
+    for s in range(len(sizes) - 1, -1, -1):
+        n = sizes[s]
+        if s + 1 < len(sizes):
+            m = sizes[s + 1]
+            g_h[s][:, :m].baddbmm_(dz_s[s + 1], w_hh_s)
+            g_c[s][:, :m].addcmul_(g_c[s + 1], g_f[s + 1])
+        dh = g_h[s]
+        if w_hr is not None:
+            dh = torch.bmm(dh, w_hr, out=work[: d_ * n * hid].view(d_, n, hid))
+        g_c[s].addcmul_(dh, k_c_s[s])
+        torch.mul(k_ifg[s], g_c[s].unsqueeze(2), out=dz_ifg[s])
+        torch.mul(dh, k_o_s[s], out=dz_o[s])
+    dh0 = torch.bmm(dz_s[0], w_hh_s)
+    dc0 = g_c[0] * g_f[0]
+
+    # Weight gradients as single large matmuls; the factor 2 of the g rows comes back in through scale.
+    dz_t = dz.transpose(1, 2)  # [D, 4H, P]
+    if steps.uniform:
+        dw_hh = torch.bmm(dz_t[..., :batch], h0)
+        dw_hh.baddbmm_(dz_t[..., batch:], states[:, : total - batch])
+    else:
+        dw_hh = torch.bmm(dz_t, torch.cat([h0, states], 1).index_select(1, steps.prev_rows))
+    dw_hh.mul_(scale)
+    xs = _by_direction(x, steps, d_)
+    dw_ih = torch.bmm(dz_t, xs).mul_(scale)
+    if need_dx:
+        dxs = torch.bmm(dz, w_ih * scale)  # [D, P, I]
+        dx = dxs[0] if d_ == 1 else dxs[0].index_add_(0, steps.rev_rows, dxs[1])
+    else:
+        dx = x.new_empty(0)
+    if has_bias:
+        db_ih = dz.sum(1).mul_(scale.squeeze(1))
+        db_hh = db_ih.clone()
+    else:
+        db_ih, db_hh = x.new_empty(0), x.new_empty(0)
+    dw_hr = torch.bmm(grad_h.transpose(1, 2), hr) if w_hr is not None else x.new_empty(0)
+    return dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr

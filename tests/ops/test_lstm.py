@@ -1,0 +1,120 @@
+"""The ops tandem::lstm_fwd / lstm_bwd: gradcheck, opcheck and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tandem
+
+SHAPES = [
+    pytest.param(1, [3, 3, 3], 0, id="T3-B3-uni"),
+    pytest.param(2, [3, 3, 3], 0, id="T3-B3-bi"),
+    pytest.param(2, [3, 2, 1, 1], 0, id="T4-packed-bi"),
+    pytest.param(1, [2, 1], 0, id="T2-packed-uni"),
+    pytest.param(1, [2, 2], 2, id="T2-B2-uni-proj"),
+    pytest.param(2, [3, 2, 1], 2, id="T3-packed-bi-proj"),
+]
+
+
+def _inputs(
+    directions: int, batch_sizes: list[int], proj: int = 0, bias: bool = True, hid: int = 3, inp: int = 2
+):
+    total, batch = sum(batch_sizes), batch_sizes[0]
+    out = proj or hid
+    d = dict(dtype=torch.float64, requires_grad=True)
+    x = torch.randn(total, inp, **d)
+    h0 = torch.randn(directions, batch, out, **d)
+    c0 = torch.randn(directions, batch, hid, **d)
+    w_ih = torch.randn(directions, 4 * hid, inp, **d)
+    w_hh = torch.randn(directions, 4 * hid, out, **d)
+    b_ih = torch.randn(directions, 4 * hid, **d) if bias else None
+    b_hh = torch.randn(directions, 4 * hid, **d) if bias else None
+    w_hr = torch.randn(directions, proj, hid, **d) if proj else None
+    return x, torch.tensor(batch_sizes), h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr
+
+
+def _fn(bs, present):
+    """``lstm`` as a function of the tensors that are present (None for the absent ones)."""
+
+    def fn(*tensors):
+        it = iter(tensors)
+        x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr = (next(it) if p else None for p in present)
+        return tandem.ops.lstm(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+
+    return fn
+
+
+@pytest.mark.parametrize("directions, batch_sizes, proj", SHAPES)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_gradcheck(directions, batch_sizes, proj, bias):
+    x, bs, *rest = _inputs(directions, batch_sizes, proj, bias)
+    tensors = (x, *rest)
+    present = [t is not None for t in tensors]
+    assert torch.autograd.gradcheck(_fn(bs, present), [t for t in tensors if t is not None])
+
+
+@pytest.mark.parametrize("output", [0, 1, 2], ids=["y", "h_n", "c_n"])
+def test_gradcheck_single_output_used(output):
+    """One output feeding the loss: the unused gradients arrive as None and are handled."""
+    x, bs, *rest = _inputs(2, [3, 2, 2], proj=2)
+    tensors = (x, *rest)
+    fn = _fn(bs, [True] * len(tensors))
+    assert torch.autograd.gradcheck(lambda *t: fn(*t)[output], tensors)
+
+
+@pytest.mark.parametrize("directions, batch_sizes, proj", SHAPES)
+def test_opcheck_fwd(directions, batch_sizes, proj):
+    args = _inputs(directions, batch_sizes, proj)
+    torch.library.opcheck(torch.ops.tandem.lstm_fwd.default, args)
+
+
+@pytest.mark.parametrize("directions, batch_sizes, proj", SHAPES)
+@pytest.mark.parametrize("need_dx", [True, False], ids=["dx", "no-dx"])
+def test_opcheck_bwd(directions, batch_sizes, proj, need_dx):
+    x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr = (
+        t.detach() if t is not None and t.dim() else t for t in _inputs(directions, batch_sizes, proj)
+    )
+    y, h_n, c_n, *saved = torch.ops.tandem.lstm_fwd(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+    grads = (torch.randn_like(y), torch.randn_like(h_n), torch.randn_like(c_n))
+    args = (*grads, x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, True, need_dx)
+    torch.library.opcheck(torch.ops.tandem.lstm_bwd.default, args)
+
+
+def test_opcheck_bwd_without_output_grads():
+    x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr = (
+        t.detach() if t is not None and t.dim() else t for t in _inputs(2, [3, 1], 0, bias=False)
+    )
+    y, h_n, c_n, *saved = torch.ops.tandem.lstm_fwd(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+    args = (None, None, torch.randn_like(c_n), x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, False, True)
+    torch.library.opcheck(torch.ops.tandem.lstm_bwd.default, args)
+
+
+BAD_ARGS = {
+    "x-1d": (lambda a: {**a, "x": a["x"][:, 0]}, "x of shape"),
+    "x-width": (lambda a: {**a, "x": a["x"][:, :1]}, "w_ih of shape"),
+    "batch-sizes-float": (lambda a: {**a, "batch_sizes": a["batch_sizes"].double()}, "batch_sizes"),
+    "c0-4-directions": (lambda a: {**a, "c0": a["c0"].repeat(4, 1, 1)}, "c0 of shape"),
+    "h0-vs-c0": (lambda a: {**a, "h0": a["h0"][:, :, :2]}, "h0 of shape"),
+    "w-hh-shape": (lambda a: {**a, "w_hh": a["w_hh"][:, :, :1]}, "w_hh of shape"),
+    "w-hr-shape": (lambda a: {**a, "w_hr": torch.randn(1, 2, 2, dtype=torch.float64)}, "w_hr of shape"),
+    "one-bias": (lambda a: {**a, "b_hh": None}, "b_ih and b_hh"),
+    "rows-vs-batch-sizes": (lambda a: {**a, "batch_sizes": torch.tensor([2, 1])}, "sum\\(batch_sizes\\)"),
+    "increasing-batch-sizes": (lambda a: {**a, "batch_sizes": torch.tensor([1, 2, 1])}, "non-increasing"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGS))
+def test_bad_arguments_name_the_argument(name):
+    x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr = _inputs(1, [2, 2])
+    args = dict(x=x, batch_sizes=bs, h0=h0, c0=c0, w_ih=w_ih, w_hh=w_hh, b_ih=b_ih, b_hh=b_hh, w_hr=w_hr)
+    change, message = BAD_ARGS[name]
+    with pytest.raises(ValueError, match=message):
+        tandem.ops.lstm(**change(args))
+
+
+def test_projection_must_be_smaller_than_hidden():
+    x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, _ = _inputs(1, [2, 2])  # hid = 3, no projection
+    w_hr = torch.randn(1, 3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="proj_size"):
+        tandem.ops.lstm(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
