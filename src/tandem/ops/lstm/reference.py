@@ -79,7 +79,7 @@ def lstm_fwd_ref(
         torch.bmm(xs, w_in, out=gates)
     del xs
 
-    cells = x.new_empty(d_, total, hid)  # cells: [D, P, H]
+    cells = x.new_empty(d_, total, hid)  # 2c: [D, P, H]
     tanh_c = x.new_empty(d_, total, hid)  # tanh_c: [D, P, H]
     y = x.new_empty(total, d_ * out_size)  # y: [P, D*R], time-packed
     states = y.view(1, total, out_size) if d_ == 1 else x.new_empty(d_, total, out_size)  # [D, P, R]
@@ -91,12 +91,13 @@ def lstm_fwd_ref(
     g_i, g_f, g_g, g_o = (steps.split(gates[..., k * hid : (k + 1) * hid]) for k in range(4))
     c_out, tc, hr_out, h_out = steps.split(cells), steps.split(tanh_c), steps.split(hr), steps.split(states)
     h_prev = [h0] + [h_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
-    c_prev = [c0] + [c_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
+    c_prev = [c0 * 2.0] + [c_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
     for s in range(len(steps.sizes)):
         g_all[s].baddbmm_(h_prev[s], w_hh_t).sigmoid_()
-        # c = f * c_prev + i * g, with g = 2 * sigmoid(2a) - 1: i * g = 2 * i * sigmoid(2a) - i
-        torch.mul(g_f[s], c_prev[s], out=c_out[s]).addcmul_(g_i[s], g_g[s], value=2.0).sub_(g_i[s])
-        torch.tanh(c_out[s], out=tc[s])
+        # The cell state is kept doubled, C = 2c, so that tanh(c) = 2 * sigmoid(C) - 1 needs no scaling:
+        # C = f * C_prev + 2 * i * g, with g = 2 * sigmoid(2a) - 1, is f * C_prev + 4 * i * sigmoid(2a) - 2i
+        torch.mul(g_f[s], c_prev[s], out=c_out[s]).addcmul_(g_i[s], g_g[s], value=4.0).sub_(g_i[s], alpha=2.0)
+        torch.sigmoid(c_out[s], out=tc[s]).mul_(2.0).sub_(1.0)
         torch.mul(g_o[s], tc[s], out=hr_out[s])
         if w_hr_t is not None:
             torch.bmm(hr_out[s], w_hr_t, out=h_out[s])
@@ -104,7 +105,7 @@ def lstm_fwd_ref(
     if d_ == 2:
         y[:, :out_size].copy_(states[0])
         y[:, out_size:].copy_(states[1].index_select(0, steps.rev_rows))
-    h_n, c_n = _last(states, steps, batch), _last(cells, steps, batch)
+    h_n, c_n = _last(states, steps, batch), _last(cells, steps, batch).mul_(0.5)
     empty = x.new_empty(0)
     return (
         y,
@@ -145,8 +146,8 @@ def lstm_bwd_ref(
     for ``dx`` unless ``need_dx`` (the first layer of a model, whose input needs no gradient).
     """
     d_, batch, hid = c0.shape
+    total, inp = x.shape
     out_size = h0.shape[2]
-    total = x.shape[0]
     steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="lstm")
     sizes = steps.sizes
     scale = _gate_scale(hid, x)
@@ -155,8 +156,9 @@ def lstm_bwd_ref(
     if w_hr is None:
         hr = states
 
-    # dL/dh and dL/dc, step-packed, seeded with the gradients of the outputs and of h_n / c_n; the loop
-    # adds the recurrent part in place, so grad_h ends up as the full dL/dh that dW_hr needs.
+    # dL/dh and u = dL/dC (C = 2c is the saved cell state, so u = dL/dc / 2), step-packed and seeded with
+    # the gradients of the outputs and of h_n / c_n; the loop adds the recurrent part in place, so
+    # grad_h ends up as the full dL/dh that dW_hr needs.
     grad_h = x.new_empty(d_, total, out_size)  # [D, P, R]
     if dy is None:
         grad_h.zero_()
@@ -165,28 +167,28 @@ def lstm_bwd_ref(
         if d_ == 2:
             torch.index_select(dy[:, out_size:], 0, steps.rev_rows, out=grad_h[1])
     grad_c = x.new_zeros(d_, total, hid)  # [D, P, H]
-    for grad, last in ((grad_h, dh_n), (grad_c, dc_n)):
+    for grad, last, alpha in ((grad_h, dh_n, 1.0), (grad_c, dc_n, 0.5)):
         if last is None:
             continue
         if steps.uniform:
-            grad[:, total - batch :].add_(last)
+            grad[:, total - batch :].add_(last, alpha=alpha)
         else:
-            grad.index_add_(1, steps.last_rows, last)
+            grad.index_add_(1, steps.last_rows, last, alpha=alpha)
 
-    # Local derivatives, for all steps at once: the loop then only multiplies them by dL/dc and dL/dh.
-    # k = (dc/dz_i, dc/dz_f, dc/dz_g, dh/dz_o) with z the (scaled) gate pre-activations.
+    # Local derivatives, for all steps at once: the loop then only multiplies them by u and dL/dh.
+    # k = (du/dz_i, du/dz_f, du/dz_g, dh/dz_o) with z the (scaled) gate pre-activations.
     k = torch.addcmul(gates, gates, gates, value=-1)  # sigmoid' = a (1 - a): [D, P, 4H]
     i, sg, o = (gates[..., a * hid : (a + 1) * hid] for a in (0, 2, 3))
     k_i, k_f, k_g, k_o = (k[..., a * hid : (a + 1) * hid] for a in range(4))
-    k_i.mul_(sg * 2 - 1)  # g sigmoid'(z_i)
-    k_g.mul_(i).mul_(2.0)  # i d(2 sigmoid(z_g) - 1)/dz_g
+    k_i.addcmul_(k_i, sg, value=-2.0).mul_(-2.0)  # 2 g sigmoid'(z_i), g = 2 sg - 1
+    k_g.mul_(i).mul_(4.0)  # 2 i d(2 sigmoid(z_g) - 1)/dz_g
     if steps.uniform:
-        k_f[:, :batch].mul_(c0)  # c_prev sigmoid'(z_f)
+        k_f[:, :batch].mul_(c0).mul_(2.0)  # C_prev sigmoid'(z_f)
         k_f[:, batch:].mul_(cells[:, : total - batch])
     else:
-        k_f.mul_(torch.cat([c0, cells], 1).index_select(1, steps.prev_rows))
+        k_f.mul_(torch.cat([c0 * 2.0, cells], 1).index_select(1, steps.prev_rows))
     k_o.mul_(tanh_c)  # tanh(c) sigmoid'(z_o)
-    k_c = torch.addcmul(o, hr, tanh_c, value=-1)  # dh_raw -> dc: o (1 - tanh(c)^2): [D, P, H]
+    k_c = torch.addcmul(o, hr, tanh_c, value=-1).mul_(0.5)  # dh_raw -> u: o (1 - tanh(c)^2) / 2: [D, P, H]
 
     dz = x.new_empty(d_, total, 4 * hid)  # dL/dz: [D, P, 4H]
     w_hh_s = w_hh * scale  # [D, 4H, R]
@@ -209,9 +211,8 @@ def lstm_bwd_ref(
         torch.mul(k_ifg[s], g_c[s].unsqueeze(2), out=dz_ifg[s])
         torch.mul(dh, k_o_s[s], out=dz_o[s])
     dh0 = torch.bmm(dz_s[0], w_hh_s)
-    dc0 = g_c[0] * g_f[0]
+    dc0 = torch.mul(g_c[0], g_f[0]).mul_(2.0)
 
-    # Weight gradients as single large matmuls; the factor 2 of the g rows comes back in through scale.
     dz_t = dz.transpose(1, 2)  # [D, 4H, P]
     if steps.uniform:
         dw_hh = torch.bmm(dz_t[..., :batch], h0)
