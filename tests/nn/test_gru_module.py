@@ -247,6 +247,7 @@ def test_torch_compile_fullgraph_equals_eager(backend: str, tmp_path, monkeypatc
     # a private compile cache: inductor's on-disk cache keys do not cover custom-op schemas
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch.compiler.reset()
+
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
