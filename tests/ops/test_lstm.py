@@ -118,3 +118,39 @@ def test_projection_must_be_smaller_than_hidden():
     w_hr = torch.randn(1, 3, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="proj_size"):
         tandem.ops.lstm(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+
+
+def test_workspace_reuse_leaves_no_trace():
+    """Backward temporaries live in a reused per-thread workspace: interleaved calls of different
+    shapes give the same gradients as the first, fresh call."""
+    from tandem.ops import _workspace
+
+    _workspace.release()
+    cases = [_inputs(2, [3, 2, 1], proj=2), _inputs(1, [4, 4, 4], hid=5), _inputs(2, [2, 2], bias=False)]
+
+    def grads(case):
+        x, bs, *rest = case
+        tensors = [t for t in (x, *rest) if t is not None]
+        y, h_n, c_n = _fn(bs, [t is not None for t in (x, *rest)])(*tensors)
+        return torch.autograd.grad(y.sum() + h_n.square().sum() + c_n.sum(), tensors)
+
+    first = [grads(case) for case in cases]
+    for case, expected in reversed(list(zip(cases, first))):
+        for got, want in zip(grads(case), expected):
+            assert torch.equal(got, want)
+
+
+def test_scratch_views_are_aligned_and_large_requests_are_not_kept(monkeypatch):
+    from tandem.ops import _workspace
+
+    _workspace.release()
+    like = torch.empty(0)
+    a, b = _workspace.scratch(like, (3, 5), (7,))
+    assert a.shape == (3, 5) and b.shape == (7,)
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    (c,) = _workspace.scratch(like, (3, 5))
+    assert c.data_ptr() == a.data_ptr()  # the same memory, handed out again
+    monkeypatch.setattr(_workspace, "MAX_CACHED_BYTES", 1024)
+    (big,) = _workspace.scratch(like, (1024,))
+    (small,) = _workspace.scratch(like, (4,))
+    assert small.data_ptr() == a.data_ptr() and big.data_ptr() != a.data_ptr()

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from tandem.ops._packed import PackedSteps
+from tandem.ops._workspace import scratch
 
 __all__ = ["lstm_fwd_ref", "lstm_bwd_ref"]
 
@@ -33,9 +34,14 @@ def _gate_scale(hid: int, like: Tensor) -> Tensor:
     return like.new_tensor([1.0, 1.0, 2.0, 1.0]).repeat_interleave(hid).unsqueeze(1)
 
 
-def _by_direction(x: Tensor, steps: PackedSteps, directions: int) -> Tensor:
-    """``[D, P, I]``: the input rows in each direction's step-packed order."""
-    return x.unsqueeze(0) if directions == 1 else torch.stack([x, x.index_select(0, steps.rev_rows)])
+def _by_direction(x: Tensor, steps: PackedSteps, directions: int, out: Tensor | None = None) -> Tensor:
+    """``[D, P, I]``: the input rows in each direction's step-packed order (written to ``out`` if given)."""
+    if directions == 1:
+        return x.unsqueeze(0)
+    xs = out if out is not None else x.new_empty(2, *x.shape)
+    xs[0].copy_(x)
+    torch.index_select(x, 0, steps.rev_rows, out=xs[1])
+    return xs
 
 
 def _last(t: Tensor, steps: PackedSteps, batch: int) -> Tensor:
@@ -70,7 +76,7 @@ def lstm_fwd_ref(
     scale = _gate_scale(hid, x)
 
     # Input projection of every step and both directions in one batched matmul, both biases folded in.
-    xs = _by_direction(x, steps, d_)  # [D, P, I]
+    xs = _by_direction(x, steps, d_, *scratch(x, (2, *x.shape)) if d_ == 2 else ())  # [D, P, I]
     gates = x.new_empty(d_, total, 4 * hid)  # gates: [D, P, 4H]
     w_in = (w_ih * scale).transpose(1, 2)  # [D, I, 4H]
     if b_ih is not None:
@@ -159,14 +165,22 @@ def lstm_bwd_ref(
     # dL/dh and u = dL/dC (C = 2c is the saved cell state, so u = dL/dc / 2), step-packed and seeded with
     # the gradients of the outputs and of h_n / c_n; the loop adds the recurrent part in place, so
     # grad_h ends up as the full dL/dh that dW_hr needs.
-    grad_h = x.new_empty(d_, total, out_size)  # [D, P, R]
+    # Temporaries come from the reused workspace (see tandem.ops._workspace): none of them escapes.
+    grad_h, grad_c, k, k_c, *xs_buf = scratch(
+        x,
+        (d_, total, out_size),
+        (d_, total, hid),
+        (d_, total, 4 * hid),
+        (d_, total, hid),
+        *[(2, total, inp)] * (d_ - 1),
+    )
     if dy is None:
         grad_h.zero_()
     else:
         grad_h[0].copy_(dy[:, :out_size])
         if d_ == 2:
             torch.index_select(dy[:, out_size:], 0, steps.rev_rows, out=grad_h[1])
-    grad_c = x.new_zeros(d_, total, hid)  # [D, P, H]
+    grad_c.zero_()
     for grad, last, alpha in ((grad_h, dh_n, 1.0), (grad_c, dc_n, 0.5)):
         if last is None:
             continue
@@ -177,7 +191,7 @@ def lstm_bwd_ref(
 
     # Local derivatives, for all steps at once: the loop then only multiplies them by u and dL/dh.
     # k = (du/dz_i, du/dz_f, du/dz_g, dh/dz_o) with z the (scaled) gate pre-activations.
-    k = torch.addcmul(gates, gates, gates, value=-1)  # sigmoid' = a (1 - a): [D, P, 4H]
+    torch.addcmul(gates, gates, gates, value=-1, out=k)  # sigmoid' = a (1 - a): [D, P, 4H]
     i, sg, o = (gates[..., a * hid : (a + 1) * hid] for a in (0, 2, 3))
     k_i, k_f, k_g, k_o = (k[..., a * hid : (a + 1) * hid] for a in range(4))
     k_i.addcmul_(k_i, sg, value=-2.0).mul_(-2.0)  # 2 g sigmoid'(z_i), g = 2 sg - 1
@@ -188,13 +202,13 @@ def lstm_bwd_ref(
     else:
         k_f.mul_(torch.cat([c0 * 2.0, cells], 1).index_select(1, steps.prev_rows))
     k_o.mul_(tanh_c)  # tanh(c) sigmoid'(z_o)
-    k_c = torch.addcmul(o, hr, tanh_c, value=-1).mul_(0.5)  # dh_raw -> u: o (1 - tanh(c)^2) / 2: [D, P, H]
+    torch.addcmul(o, hr, tanh_c, value=-1, out=k_c).mul_(0.5)  # dh_raw -> u: o (1 - tanh(c)^2) / 2
 
-    dz = x.new_empty(d_, total, 4 * hid)  # dL/dz: [D, P, 4H]
+    # The loop turns k into dL/dz in place, step by step (a step's k is dead once its dz is known).
+    dz = k  # dL/dz: [D, P, 4H]
     w_hh_s = w_hh * scale  # [D, 4H, R]
-    k_ifg = [t.view(d_, n, 3, hid) for t, n in zip(steps.split(k[..., : 3 * hid]), sizes)]
-    dz_ifg = [t.view(d_, n, 3, hid) for t, n in zip(steps.split(dz[..., : 3 * hid]), sizes)]
-    k_o_s, k_c_s, dz_o = steps.split(k_o), steps.split(k_c), steps.split(dz[..., 3 * hid :])
+    dz_ifg = [t.view(d_, n, 3, hid) for t, n in zip(steps.split(k[..., : 3 * hid]), sizes)]
+    k_c_s, dz_o = steps.split(k_c), steps.split(k_o)
     dz_s, g_h, g_c = steps.split(dz), steps.split(grad_h), steps.split(grad_c)
     g_f = steps.split(gates[..., hid : 2 * hid])
     work = x.new_empty(d_ * batch * hid) if w_hr is not None else None
@@ -208,8 +222,8 @@ def lstm_bwd_ref(
         if w_hr is not None:
             dh = torch.bmm(dh, w_hr, out=work[: d_ * n * hid].view(d_, n, hid))
         g_c[s].addcmul_(dh, k_c_s[s])
-        torch.mul(k_ifg[s], g_c[s].unsqueeze(2), out=dz_ifg[s])
-        torch.mul(dh, k_o_s[s], out=dz_o[s])
+        dz_ifg[s].mul_(g_c[s].unsqueeze(2))
+        dz_o[s].mul_(dh)
     dh0 = torch.bmm(dz_s[0], w_hh_s)
     dc0 = torch.mul(g_c[0], g_f[0]).mul_(2.0)
 
@@ -220,7 +234,7 @@ def lstm_bwd_ref(
     else:
         dw_hh = torch.bmm(dz_t, torch.cat([h0, states], 1).index_select(1, steps.prev_rows))
     dw_hh.mul_(scale)
-    xs = _by_direction(x, steps, d_)
+    xs = _by_direction(x, steps, d_, *xs_buf)
     dw_ih = torch.bmm(dz_t, xs).mul_(scale)
     if need_dx:
         dxs = torch.bmm(dz, w_ih * scale)  # [D, P, I]
