@@ -64,9 +64,12 @@ def test_gradcheck_single_output_used(output):
 
 
 @pytest.mark.parametrize("directions, batch_sizes, proj", SHAPES)
-def test_opcheck_fwd(directions, batch_sizes, proj):
+@pytest.mark.parametrize("need_saved", [True, False], ids=["saved", "no-saved"])
+def test_opcheck_fwd(directions, batch_sizes, proj, need_saved):
     args = _inputs(directions, batch_sizes, proj)
-    torch.library.opcheck(torch.ops.tandem.lstm_fwd.default, args)
+    if not need_saved:  # inference: no input asks for a gradient
+        args = tuple(t.detach() if t is not None and t.dim() else t for t in args)
+    torch.library.opcheck(torch.ops.tandem.lstm_fwd.default, (*args, need_saved))
 
 
 @pytest.mark.parametrize("directions, batch_sizes, proj", SHAPES)
@@ -75,7 +78,7 @@ def test_opcheck_bwd(directions, batch_sizes, proj, need_dx):
     x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr = (
         t.detach() if t is not None and t.dim() else t for t in _inputs(directions, batch_sizes, proj)
     )
-    y, h_n, c_n, *saved = torch.ops.tandem.lstm_fwd(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+    y, h_n, c_n, *saved = torch.ops.tandem.lstm_fwd(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, True)
     grads = (torch.randn_like(y), torch.randn_like(h_n), torch.randn_like(c_n))
     args = (*grads, x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, True, need_dx)
     torch.library.opcheck(torch.ops.tandem.lstm_bwd.default, args)
@@ -85,7 +88,7 @@ def test_opcheck_bwd_without_output_grads():
     x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr = (
         t.detach() if t is not None and t.dim() else t for t in _inputs(2, [3, 1], 0, bias=False)
     )
-    y, h_n, c_n, *saved = torch.ops.tandem.lstm_fwd(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+    y, h_n, c_n, *saved = torch.ops.tandem.lstm_fwd(x, bs, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, True)
     args = (None, None, torch.randn_like(c_n), x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, False, True)
     torch.library.opcheck(torch.ops.tandem.lstm_bwd.default, args)
 
@@ -154,3 +157,22 @@ def test_scratch_views_are_aligned_and_large_requests_are_not_kept(monkeypatch):
     (big,) = _workspace.scratch(like, (1024,))
     (small,) = _workspace.scratch(like, (4,))
     assert small.data_ptr() == a.data_ptr() and big.data_ptr() != a.data_ptr()
+
+
+@pytest.mark.parametrize("directions, batch_sizes, proj", SHAPES)
+def test_no_grad_forward_saves_nothing_and_matches(directions, batch_sizes, proj):
+    x, bs, *rest = _inputs(directions, batch_sizes, proj)
+    with_grad = tandem.ops.lstm(x, bs, *rest)
+    with torch.no_grad():
+        without = tandem.ops.lstm(x, bs, *rest)
+        _, _, _, *saved = torch.ops.tandem.lstm_fwd(x, bs, *rest, False)
+    assert all(t.numel() == 0 for t in saved)
+    for a, b in zip(without, with_grad):
+        assert torch.equal(a, b)
+
+
+def test_backward_without_saved_activations_is_an_error():
+    x, bs, *rest = _inputs(1, [2, 2])
+    y, *_ = torch.ops.tandem.lstm_fwd(x, bs, *rest, False)
+    with pytest.raises(RuntimeError, match="need_saved=False"):
+        y.sum().backward()

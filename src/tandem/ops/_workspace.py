@@ -33,6 +33,8 @@ def scratch(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
     They share this thread's workspace: the next call of ``scratch`` on the thread (any kernel) may hand
     out the same memory, so a kernel takes all its scratch tensors in one call and lets none escape.
     """
+    if not shapes:
+        return []
     item = like.element_size()
     step = max(1, _ALIGN // item)
     sizes = [_numel(shape) for shape in shapes]

@@ -49,7 +49,12 @@ def lstm(
         (torch.Size([15, 16]), torch.Size([2, 3, 8]), torch.Size([2, 3, 8]))
     """
     _check_args(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
-    y, h_n, c_n, *_ = torch.ops.tandem.lstm_fwd(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+    tensors = (x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+    # Without autograd (inference, torch.no_grad) nothing is saved and the activations live in scratch.
+    need_saved = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    y, h_n, c_n, *_ = torch.ops.tandem.lstm_fwd(
+        x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved
+    )
     return y, h_n, c_n
 
 

@@ -27,20 +27,27 @@ def lstm_fwd(
     b_ih: Tensor | None,
     b_hh: Tensor | None,
     w_hr: Tensor | None,
+    need_saved: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(y, h_n, c_n, gates, cells, tanh_c, hr, states)`` of one LSTM layer; see :func:`lstm_fwd_ref`."""
-    return lstm_fwd_ref(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+    """``(y, h_n, c_n, gates, cells, tanh_c, hr, states)`` of one LSTM layer; see :func:`lstm_fwd_ref`.
+    The last five (what the backward needs) are empty unless ``need_saved``."""
+    return lstm_fwd_ref(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved)
 
 
 @lstm_fwd.register_fake
-def _lstm_fwd_fake(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr):
+def _lstm_fwd_fake(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved):
     d_, batch, hid = c0.shape
     out_size = h0.shape[2]
     total = x.shape[0]
-    return (
+    outputs = (
         x.new_empty(total, d_ * out_size),
         h0.new_empty(d_, batch, out_size),
         c0.new_empty(d_, batch, hid),
+    )
+    if not need_saved:
+        return (*outputs, *(x.new_empty(0) for _ in range(5)))
+    return (
+        *outputs,
         x.new_empty(d_, total, 4 * hid),
         x.new_empty(d_, total, hid),
         x.new_empty(d_, total, hid),
@@ -129,8 +136,9 @@ def _lstm_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, _, w_hr = inputs
+    x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, _, w_hr, need_saved = inputs
     y, _, _, gates, cells, tanh_c, hr, states = output
+    ctx.need_saved = need_saved
     ctx.mark_non_differentiable(gates, cells, tanh_c, hr, states)
     ctx.set_materialize_grads(False)
     ctx.has_bias = b_ih is not None
@@ -140,7 +148,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, dh_n, dc_n, *_):
     x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, tanh_c, hr, states = ctx.saved_tensors
     if dy is None and dh_n is None and dc_n is None:
-        return (None,) * 9
+        return (None,) * 10
+    if not ctx.need_saved:
+        raise RuntimeError("tandem::lstm_fwd: a gradient was asked for but the op ran with need_saved=False")
     need_dx = ctx.needs_input_grad[0]
     dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr = lstm_bwd(
         dy,
@@ -168,7 +178,7 @@ def _backward(ctx, dy, dh_n, dc_n, *_):
         db_ih = db_hh = None
     if w_hr is None:
         dw_hr = None
-    return dx, None, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr
+    return dx, None, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr, None
 
 
 lstm_fwd.register_autograd(_backward, setup_context=_setup_context)

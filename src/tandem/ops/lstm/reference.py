@@ -59,6 +59,7 @@ def lstm_fwd_ref(
     b_ih: Tensor | None,
     b_hh: Tensor | None,
     w_hr: Tensor | None,
+    need_saved: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One LSTM layer, all directions. Returns ``(y, h_n, c_n, gates, cells, tanh_c, hr, states)``.
 
@@ -67,7 +68,8 @@ def lstm_fwd_ref(
     w_hr [D, R, H] or None; y [P, D*R] (time-packed), h_n [D, B, R], c_n [D, B, H]. Saved for the
     backward: gates [D, P, 4H] (i, f, sigmoid(2 a_g), o), cells and tanh_c [D, P, H], hr [D, P, H]
     (o * tanh(c), empty without projection) and states [D, P, R] (every step's output, step-packed;
-    empty with one direction, where it is ``y`` itself).
+    empty with one direction, where it is ``y`` itself). Without ``need_saved`` (no gradient will be
+    asked for) all five are empty and their memory is scratch reused from call to call.
     """
     d_, batch, hid = c0.shape
     out_size = h0.shape[2]
@@ -75,21 +77,28 @@ def lstm_fwd_ref(
     steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="lstm")
     scale = _gate_scale(hid, x)
 
+    y = x.new_empty(total, d_ * out_size)  # y: [P, D*R], time-packed
+    # Scratch: the reversed input rows, and when nothing is saved for a backward, every activation.
+    shapes = [(d_, total, 4 * hid), (d_, total, hid), (d_, total, hid)]  # gates, 2c, tanh(c)
+    shapes += [(d_, total, hid)] * (w_hr is not None) + [(d_, total, out_size)] * (d_ == 2)  # hr, states
+    temps = scratch(x, *[(2, total, x.shape[1])] * (d_ == 2), *(shapes if not need_saved else ()))
+    xs_buf = [temps.pop(0)] if d_ == 2 else []
+    if need_saved:
+        temps = [x.new_empty(shape) for shape in shapes]
+    gates, cells, tanh_c = temps[:3]  # gates: [D, P, 4H]; 2c and tanh(c): [D, P, H]
+    hr = temps[3] if w_hr is not None else None  # o * tanh(c): [D, P, H]
+    states = temps[-1] if d_ == 2 else y.view(1, total, out_size)  # [D, P, R]
+    if hr is None:
+        hr = states
+
     # Input projection of every step and both directions in one batched matmul, both biases folded in.
-    xs = _by_direction(x, steps, d_, *scratch(x, (2, *x.shape)) if d_ == 2 else ())  # [D, P, I]
-    gates = x.new_empty(d_, total, 4 * hid)  # gates: [D, P, 4H]
+    xs = _by_direction(x, steps, d_, *xs_buf)  # [D, P, I]
     w_in = (w_ih * scale).transpose(1, 2)  # [D, I, 4H]
     if b_ih is not None:
         torch.baddbmm(((b_ih + b_hh) * scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
     else:
         torch.bmm(xs, w_in, out=gates)
     del xs
-
-    cells = x.new_empty(d_, total, hid)  # 2c: [D, P, H]
-    tanh_c = x.new_empty(d_, total, hid)  # tanh_c: [D, P, H]
-    y = x.new_empty(total, d_ * out_size)  # y: [P, D*R], time-packed
-    states = y.view(1, total, out_size) if d_ == 1 else x.new_empty(d_, total, out_size)  # [D, P, R]
-    hr = x.new_empty(d_, total, hid) if w_hr is not None else states  # o * tanh(c): [D, P, H]
 
     w_hh_t = (w_hh * scale).transpose(1, 2)  # [D, R, 4H]
     w_hr_t = w_hr.transpose(1, 2) if w_hr is not None else None  # [D, H, R]
@@ -112,6 +121,8 @@ def lstm_fwd_ref(
         y[:, :out_size].copy_(states[0])
         y[:, out_size:].copy_(states[1].index_select(0, steps.rev_rows))
     h_n, c_n = _last(states, steps, batch), _last(cells, steps, batch).mul_(0.5)
+    if not need_saved:
+        return (y, h_n, c_n, *(x.new_empty(0) for _ in range(5)))
     empty = x.new_empty(0)
     return (
         y,
