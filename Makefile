@@ -23,8 +23,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts
 
 train: $(STAMP)
 	$(VENV)/bin/tandem train $(ARGS)

@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import tandem.nn
 from tandem.bench import runner
 from tandem.bench.registry import REGISTRY, OpBench, Shape, register
 from tandem.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "src"
-HAS_GRU = hasattr(tandem.nn, "GRU")
 
 
 def _python(*args: str) -> subprocess.CompletedProcess[str]:
@@ -113,7 +111,9 @@ def test_bench_list(fake_op, capsys):
         pytest.param(["bench", "--min-time", "-1"], "--min-time: expected a positive number", id="min-time"),
         pytest.param(["bench", "--device", "tpu"], "invalid choice: 'tpu'", id="device"),
         pytest.param(["bench", "--op", "nope"], "unknown op 'nope'; available: ", id="unknown-op"),
-        pytest.param(["train", "--steps", "0"], "--steps: expected a positive integer, got 0", id="steps0"),
+        pytest.param(
+            ["train", "--hidden", "0"], "--hidden: expected a positive integer, got 0", id="hidden0"
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(fake_op, argv, message, capsys):
@@ -135,16 +135,3 @@ def test_bench_cuda_without_cuda(fake_op, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--op", fake_op, "--device", "cuda"])
     assert "CUDA is not available" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(not HAS_GRU, reason="tandem.nn.GRU has not landed in this checkout")
-def test_train_demo_runs(capsys):
-    assert main(["train", "--steps", "3", "--batch-size", "8", "--hidden", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "step 3/3  loss " in out and "train accuracy" in out
-
-
-def test_train_without_gru_fails_clearly(monkeypatch, capsys):
-    monkeypatch.delattr(tandem.nn, "GRU", raising=False)
-    assert main(["train", "--steps", "1"]) == 1
-    assert "tandem.nn.GRU is not available" in capsys.readouterr().err

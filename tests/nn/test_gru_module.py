@@ -109,24 +109,9 @@ def test_float32_error_within_twice_torch_error(case: Case):
     """flash-attention's rule: our float32 error vs a float64 reference <= 2x torch's own + atol."""
     ref64, _, x, h0 = _make(case, torch.float64)
     exact = _run(ref64, case, x, h0)
-    ref32 = torch.nn.GRU(
-        INPUT,
-        HIDDEN,
-        num_layers=case.layers,
-        bias=case.bias,
-        batch_first=case.batch_first,
-        bidirectional=case.bidirectional,
-    )
-    ref32.load_state_dict(ref64.state_dict())
-    ours32 = tandem.nn.GRU(
-        INPUT,
-        HIDDEN,
-        num_layers=case.layers,
-        bias=case.bias,
-        batch_first=case.batch_first,
-        bidirectional=case.bidirectional,
-    )
-    ours32.load_state_dict(ref64.state_dict())
+    ref32, ours32, _, _ = _make(case, torch.float32)
+    for module in (ref32, ours32):
+        module.load_state_dict(ref64.state_dict())
     x32, h32 = x.float(), h0.float() if h0 is not None else None
     torch_err, our_err = _run(ref32, case, x32, h32), _run(ours32, case, x32, h32)
     for name, value in exact.items():

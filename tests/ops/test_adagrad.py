@@ -8,11 +8,6 @@ interpreter, which ``tandem._backend`` only honours when the environment says so
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,6 +15,7 @@ from tandem import _backend
 from tandem.ops import adagrad
 from tandem.ops.adagrad import reference
 from tandem.ops.adagrad.reference import adagrad_group_ref, adagrad_step_ref, adagrad_tensor_ref
+from triton_support import TRITON_DEVICE, needs_triton, run_under_interpreter
 
 HYPER = [
     pytest.param(dict(lr=0.1, lr_decay=0.0, weight_decay=0.0, eps=1e-10, maximize=False), id="plain"),
@@ -188,33 +184,9 @@ def test_functional_checks_raise_before_any_change(mutate, message):
 # the Triton kernel (CUDA, or CPU under the interpreter)
 
 
-def _triton_device() -> str | None:
-    if not _backend.triton_available():
-        return None
-    if _backend.FORCE_TRITON:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else None
-
-
-TRITON_DEVICE = _triton_device()
-needs_triton = pytest.mark.skipif(
-    TRITON_DEVICE is None,
-    reason="no GPU: runs in test_triton_kernels_under_interpreter's subprocess (TRITON_INTERPRET=1)",
-)
-
-
-@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
-@pytest.mark.skipif(_backend.FORCE_TRITON, reason="already the interpreter run")
 @pytest.mark.timeout(600)
 def test_triton_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", TANDEM_FORCE_TRITON="1")
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH")) if x)
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-k", "triton_kernel_", "-p", "no:cacheprovider"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    tail = run.stdout[-6000:] + run.stderr[-3000:]
-    assert run.returncode == 0, tail
-    assert " passed" in run.stdout and "skipped" not in run.stdout, tail
+    run_under_interpreter(__file__, timeout=540)
 
 
 def _oracle(ps, gs, ss, ts, hyper):

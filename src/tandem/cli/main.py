@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{train,bench}")
     for name, module, summary in (
-        ("train", train, "train a model (for now: a short bidirectional GRU demo on synthetic data)"),
+        ("train", train, "train a speech model (Japanese Vowels or --data), data-parallel"),
         ("bench", bench, "time tandem against PyTorch: table, CSV, chart"),
     ):
         sub = commands.add_parser(name, help=summary, description=module.DESCRIPTION)
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     args.command_line = shlex.join(["tandem", *argv])
     return args.handler(args, args.subparser)
 

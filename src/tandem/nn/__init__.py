@@ -3,5 +3,7 @@
 from __future__ import annotations
 
 from tandem.nn.gru import GRU
+from tandem.nn.lstm import LSTM
+from tandem.nn.syncbn import SyncBatchNorm
 
-__all__ = ["GRU"]
+__all__ = ["GRU", "LSTM", "SyncBatchNorm"]

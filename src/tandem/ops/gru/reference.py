@@ -20,66 +20,24 @@ loop reads or writes all directions as one batched ``[D, P, ...]`` matmul with n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tandem.ops._packed import PackedSteps
+from tandem.ops._workspace import scratch
+
 __all__ = ["PackedSteps", "gru_fwd_ref", "gru_bwd_ref"]
 
 
-@dataclass
-class PackedSteps:
-    """Index arithmetic of a packed batch, computed once per call from ``batch_sizes``."""
-
-    sizes: list[int]  # active sequences per step, non-increasing
-    offsets: list[int]  # first packed row of each step
-    uniform: bool  # every sequence has the full length T (a padded batch)
-    rev_rows: Tensor | None  # [P] step-packed row of the reverse direction -> time-packed row (involution)
-    prev_rows: Tensor | None  # [P] row of cat(h0, states) holding each step's previous state (packed only)
-    last_rows: Tensor | None  # [B] row of ``states`` holding each sequence's final state (packed only)
-
-    @staticmethod
-    def build(
-        batch_sizes: Tensor, rows: int, batch: int, directions: int, device: torch.device
-    ) -> PackedSteps:
-        sizes = [int(n) for n in batch_sizes.tolist()]
-        if not sizes or sizes[-1] < 1 or any(a < b for a, b in zip(sizes, sizes[1:])):
-            raise ValueError(f"gru: expected batch_sizes non-increasing and positive, got {sizes}")
-        if sum(sizes) != rows:
-            raise ValueError(f"gru: expected sum(batch_sizes) == x.shape[0] = {rows}, got {sum(sizes)}")
-        if sizes[0] != batch:
-            raise ValueError(f"gru: expected batch_sizes[0] == h0.shape[1] = {batch}, got {sizes[0]}")
-        steps = len(sizes)
-        offsets = [0] * steps
-        for s in range(1, steps):
-            offsets[s] = offsets[s - 1] + sizes[s - 1]
-        uniform = sizes[-1] == batch
-        total = offsets[-1] + sizes[-1]
-        rev_rows = prev_rows = last_rows = None
-        if uniform:
-            if directions == 2:
-                # step s of every sequence reads frame T - 1 - s
-                rev_rows = torch.arange(total, device=device).view(steps, batch).flip(0).reshape(-1)
-        else:
-            bs = torch.tensor(sizes)
-            off = torch.tensor(offsets)
-            step_of_row = torch.repeat_interleave(torch.arange(steps), bs)  # [P]
-            seq_of_row = torch.arange(total) - off[step_of_row]  # [P]
-            lengths = (bs.unsqueeze(0) > torch.arange(batch).unsqueeze(1)).sum(1)  # [B]
-            if directions == 2:
-                frame = lengths[seq_of_row] - 1 - step_of_row
-                rev_rows = (off[frame] + seq_of_row).to(device)
-            # rows of cat(h0, states): [0, B) hold h0, step s occupies B + offsets[s] + [0, sizes[s])
-            prev_start = torch.cat([torch.zeros(1, dtype=torch.long), batch + off[:-1]])
-            prev_rows = (prev_start[step_of_row] + seq_of_row).to(device)
-            last_rows = (off[lengths - 1] + torch.arange(batch)).to(device)
-        return PackedSteps(sizes, offsets, uniform, rev_rows, prev_rows, last_rows)
-
-    def split(self, t: Tensor, dim: int = 1) -> tuple[Tensor, ...]:
-        """Per-step views of a step-packed ``[D, P, ...]`` buffer: the loops never slice."""
-        return t.split(self.sizes, dim)
+def _stack_directions(x: Tensor, steps: PackedSteps, out: Tensor) -> Tensor:
+    """``x`` as each direction reads it, ``[D, P, I]``: the reverse direction's rows in its step order
+    (written into ``out``, a workspace); one direction is ``x`` itself."""
+    if steps.rev_rows is None:
+        return x.unsqueeze(0)
+    out[0].copy_(x)
+    torch.index_select(x, 0, steps.rev_rows, out=out[1])
+    return out
 
 
 def gru_fwd_ref(
@@ -100,13 +58,15 @@ def gru_fwd_ref(
     """
     d_, batch, hid = h0.shape
     total = x.shape[0]
-    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device)
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="gru")
 
     # torch's tanh costs ~5 sigmoids on the CPU, so n = tanh(a) is computed as 2 * sigmoid(2a) - 1, the
     # factor 2 folded into the n rows of the input projection and into the step's addcmul.
     n_scale = x.new_tensor([1.0, 1.0, 2.0]).repeat_interleave(hid).unsqueeze(1)  # [3H, 1]
     # Input projection of every step and both directions in one batched matmul, written in place.
-    xs = x.unsqueeze(0) if d_ == 1 else torch.stack([x, x.index_select(0, steps.rev_rows)])  # [D, P, I]
+    # temporaries from the reused workspace: the step's W_hh h, and x with the reverse direction's rows
+    work, xs = scratch(x, (d_ * batch * 3 * hid,), (d_ if d_ == 2 else 0, total, x.shape[1]))
+    xs = _stack_directions(x, steps, xs)  # [D, P, I]
     gates = x.new_empty(d_, total, 3 * hid)  # gates: [D, P, 3H]
     w_in = (w_ih * n_scale).transpose(1, 2)  # [D, I, 3H]
     if b_ih is not None:
@@ -120,14 +80,13 @@ def gru_fwd_ref(
     y = x.new_empty(total, d_ * hid)  # y: [P, D*H], time-packed
     states = y.view(1, total, hid) if d_ == 1 else x.new_empty(d_, total, hid)  # [D, P, H]
     hn = x.new_empty(d_, total, hid)  # hn: [D, P, H]
-    # W_hh h + b_hh of one step: a small workspace that stays in cache, of which hn keeps the n part
-    work = x.new_empty(d_ * batch * 3 * hid)
 
     w_hh_t = w_hh.transpose(1, 2)  # [D, H, 3H]
     bias_hn = b_hh[:, 2 * hid :].unsqueeze(1) if b_hh is not None else None  # [D, 1, H]
     g_rz, g_r, g_z, g_n = (
         steps.split(gates[..., a:b]) for a, b in ((0, 2 * hid), (0, hid), (hid, 2 * hid), (2 * hid, 3 * hid))
     )
+    # W_hh h of one step stays in cache; hn keeps its n part
     ws = {n: work[: d_ * n * 3 * hid].view(d_, n, 3 * hid) for n in set(steps.sizes)}
     ws_rz = {n: w[..., : 2 * hid] for n, w in ws.items()}
     ws_n = {n: w[..., 2 * hid :] for n, w in ws.items()}
@@ -174,17 +133,27 @@ def gru_bwd_ref(
     """
     d_, batch, hid = h0.shape
     total = x.shape[0]
-    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device)
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="gru")
     if d_ == 1:
         states = y.view(1, total, hid)
 
+    # Temporaries (never outputs) from the reused workspace, all in one request.
+    two = d_ == 2
+    dgates, dn_in, grad_steps, xs, h_prev = scratch(
+        x,
+        (d_, total, 3 * hid),  # hidden-side gate gradients
+        (d_, total, hid),  # input-side n gradient
+        (d_ if two else 0, total, hid),  # dy in step order
+        (d_ if two else 0, total, x.shape[1]),  # x, and x with the reverse direction's rows
+        (0 if steps.uniform else d_, total, hid),  # previous states, packed case
+    )
     # dL/dh from the outputs, step-packed like the states: [D, P, H]
     if dy is None:
         grad_out = x.new_zeros(d_, total, hid)
     elif d_ == 1:
         grad_out = dy.view(1, total, hid)
     else:
-        grad_out = x.new_empty(d_, total, hid)
+        grad_out = grad_steps
         grad_out[0].copy_(dy[:, :hid])
         torch.index_select(dy[:, hid:], 0, steps.rev_rows, out=grad_out[1])
     if dh_n is None:
@@ -193,8 +162,6 @@ def gru_bwd_ref(
     # Gate gradients per step. dgates holds the hidden-side ones (dr, dz, dn * r): one batched matmul
     # with W_hh per step and one with the previous states after the loop. The input side differs only
     # in its n block (dn), kept apart in dn_in.
-    dgates = x.new_empty(d_, total, 3 * hid)  # [D, P, 3H]
-    dn_in = x.new_empty(d_, total, hid)  # [D, P, H]
 
     r, z, n_gate = (steps.split(gates[..., k * hid : (k + 1) * hid]) for k in range(3))
     dr, dz, dn_h = (steps.split(dgates[..., k * hid : (k + 1) * hid]) for k in range(3))
@@ -226,10 +193,10 @@ def gru_bwd_ref(
         dw_hh = torch.bmm(dgates[:, :batch].transpose(1, 2), h0)
         dw_hh.baddbmm_(dgates[:, batch:].transpose(1, 2), states[:, : total - batch])
     else:
-        h_prev = torch.cat([h0, states], 1).index_select(1, steps.prev_rows)
+        torch.index_select(torch.cat([h0, states], 1), 1, steps.prev_rows, out=h_prev)
         dw_hh = torch.bmm(dgates.transpose(1, 2), h_prev)  # [D, 3H, H]
 
-    xs = x.unsqueeze(0) if d_ == 1 else torch.stack([x, x.index_select(0, steps.rev_rows)])  # [D, P, I]
+    xs = _stack_directions(x, steps, xs)  # [D, P, I]
     d_rz = dgates[..., : 2 * hid]
     dw_ih = torch.cat([torch.bmm(d_rz.transpose(1, 2), xs), torch.bmm(dn_in.transpose(1, 2), xs)], 1)
     if need_dx:

@@ -1,0 +1,74 @@
+"""``tandem bench --op lstm``: tandem.nn.LSTM against torch.nn.LSTM, one training step or one forward.
+
+Two baselines: ``torch`` is torch.nn.LSTM as users run it, which on the CPU takes oneDNN's fused LSTM;
+``torch-no-mkldnn`` is the same module run under ``torch.backends.mkldnn.flags(enabled=False)``,
+PyTorch's native path made of the same kind of ops tandem uses. A training step is forward + backward of
+``out.sum() + h_n.sum() + c_n.sum()`` down to the input, every parameter and nothing else (no
+optimizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import tandem
+from tandem.bench.registry import OpBench, Shape, register
+
+__all__ = ["LSTM_BENCH"]
+
+
+def _shape(steps, batch, inp, hid, layers=1, bi=False, quick=False, devices=("cpu",)) -> Shape:
+    name = f"T{steps}-B{batch}-I{inp}-H{hid}" + (f"-L{layers}" if layers > 1 else "")
+    name += "-bi" if bi else "-uni"
+    params = dict(T=steps, B=batch, I=inp, H=hid, L=layers, bi=bi)
+    return Shape(name, params, quick=quick, devices=devices)
+
+
+def _provider(cls: type[torch.nn.Module], mkldnn: bool = True):
+    def factory(p: dict[str, Any], device: torch.device, mode: str):
+        model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device)
+        x = torch.randn(p["T"], p["B"], p["I"], device=device).requires_grad_(mode == "train")
+
+        def train() -> None:
+            out, (h_n, c_n) = model(x)
+            (out.sum() + h_n.sum() + c_n.sum()).backward()
+
+        def forward() -> None:
+            with torch.no_grad():
+                model(x)
+
+        step = train if mode == "train" else forward
+        if mkldnn:
+            return step
+
+        def without_mkldnn() -> None:
+            with torch.backends.mkldnn.flags(enabled=False):
+                step()
+
+        return without_mkldnn
+
+    return factory
+
+
+LSTM_BENCH = register(
+    OpBench(
+        op="lstm",
+        providers={
+            "torch": _provider(torch.nn.LSTM),
+            "torch-no-mkldnn": _provider(torch.nn.LSTM, mkldnn=False),
+            "tandem": _provider(tandem.nn.LSTM),
+        },
+        shapes=(
+            _shape(50, 32, 128, 256, quick=True),
+            _shape(50, 32, 128, 256, bi=True, quick=True),
+            _shape(100, 16, 64, 128, layers=2, bi=True),
+        ),
+        modes=("train", "fwd"),
+        description=(
+            "tandem.nn.LSTM vs torch.nn.LSTM (oneDNN, and native with mkldnn disabled): training step "
+            "(fwd + bwd incl. dx) and no-grad forward"
+        ),
+    )
+)

@@ -1,0 +1,273 @@
+"""The training loop of ``tandem train``: one process of the data-parallel group (or the only one).
+
+Data order depends only on (seed, epoch), every rank takes its share of each global batch, and the
+gradients are averaged by tandem's DistributedDataParallel: N processes compute what one process
+would on the concatenated batch. A resumed run therefore ends with the same weights as an
+uninterrupted one (same seed, same number of processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tandem
+from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
+from tandem.models import SpeechClassifier
+
+__all__ = ["train"]
+
+# what a checkpoint must agree on to be resumed with the current arguments
+_RUN_KEYS = ("cell", "hidden", "layers", "lr", "batch_size", "seed", "world_size", "data")
+
+
+def _atomic_save(write, path: Path) -> None:
+    """Write through ``write(tmp_path)`` then rename: readers see the old file or the new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _plot(history: list[dict[str, float]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print("tandem train: matplotlib is not installed, no training-curve PNG (pip install tandem[plot])")
+        return
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="training loss", yscale="log")
+    ax_acc.plot(epochs, [h["train_accuracy"] for h in history], marker="o", label="train")
+    ax_acc.plot(epochs, [h["test_accuracy"] for h in history], marker="s", label="test")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.01))
+    ax_acc.legend()
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    _atomic_save(lambda tmp: fig.savefig(tmp, format="png", dpi=110), path)
+    plt.close(fig)
+
+
+class _Group:
+    """Rank, world size and the few collectives the loop needs (no-ops when alone)."""
+
+    def __init__(self, device: torch.device, timeout: float) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.world > 1:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+    def sum(self, values: list[float], device: torch.device) -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SystemExit("tandem train: error: --device cuda: CUDA is not available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _evaluate(
+    model, data: SequenceData, group: _Group, device: torch.device, batch: int
+) -> tuple[float, int]:
+    """(correct, count) of this rank's share of ``data``, summed over ranks."""
+    model.eval()
+    mine = torch.arange(group.rank, len(data), group.world)
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(mine), batch):
+            idx = mine[i : i + batch]
+            logits = model(data.features[idx].to(device), data.lengths[idx])
+            correct += int((logits.argmax(1).cpu() == data.labels[idx]).sum())
+    total_correct, total = group.sum([correct, len(mine)], device)
+    return total_correct, int(total)
+
+
+def train(args: argparse.Namespace) -> int:
+    device = _device(args.device)
+    group = _Group(device, args.timeout)
+    try:
+        return _train(args, device, group)
+    finally:
+        group.close()
+
+
+def _train(args: argparse.Namespace, device: torch.device, group: _Group) -> int:
+    # one core per process when the processes share a machine
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world))
+    lead = group.rank == 0
+    data_path = args.data or JAPANESE_VOWELS
+    data = load_npz(data_path)
+    train_set, test_set = data.subset(test=False), data.subset(test=True)
+    run_config = {
+        "cell": args.cell,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "world_size": group.world,
+        "data": str(Path(data_path).resolve()),
+    }
+
+    torch.manual_seed(args.seed)
+    model = SpeechClassifier(data.num_features, data.num_classes, args.hidden, args.layers, args.cell).to(
+        device
+    )
+    wrapped = tandem.parallel.DistributedDataParallel(model) if group.world > 1 else model
+    optimizer = tandem.optim.Adagrad(wrapped.parameters(), lr=args.lr)
+
+    checkpoint_path, history, start_epoch, seconds_before = args.out / "checkpoint.pt", [], 0, 0.0
+    if args.resume:
+        checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)
+        changed = {
+            k: (checkpoint["config"].get(k), v)
+            for k, v in run_config.items()
+            if checkpoint["config"].get(k) != v
+        }
+        if changed:
+            detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
+            raise SystemExit(
+                f"tandem train: error: --resume: the run's settings differ from the checkpoint's ({detail})"
+            )
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        history, start_epoch = checkpoint["history"], checkpoint["epoch"]
+        seconds_before = checkpoint["train_seconds"]
+
+    if lead:
+        print(
+            f"tandem train: {args.cell.upper()} {args.layers}x{args.hidden} bidirectional, {data_path.name}: "
+            f"{len(train_set)} train / {len(test_set)} test sequences, {data.num_classes} classes; "
+            f"{group.world} process(es) on {device}, global batch {args.batch_size}, Adagrad lr {args.lr}"
+            + (f"; resuming after epoch {start_epoch}" if start_epoch else ""),
+            flush=True,
+        )
+    progress = None
+    if lead:
+        from tqdm import tqdm
+
+        progress = tqdm
+
+    started = time.perf_counter()
+    for epoch in range(start_epoch, args.epochs):
+        epoch_start = time.perf_counter()
+        wrapped.train()
+        order = torch.randperm(
+            len(train_set), generator=torch.Generator().manual_seed(args.seed * 100003 + epoch)
+        )
+        batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
+        batches = [b for b in batches if len(b) >= group.world]  # every rank gets at least one sequence
+        bar = (
+            progress(batches, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False)
+            if progress
+            else batches
+        )
+        loss_sum = correct = seen = 0.0
+        for global_batch in bar:
+            idx = global_batch[group.rank :: group.world]
+            features, labels = train_set.features[idx].to(device), train_set.labels[idx].to(device)
+            logits = wrapped(features, train_set.lengths[idx])
+            loss = F.cross_entropy(logits, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.item() * len(idx)
+            correct += int((logits.argmax(1) == labels).sum())
+            seen += len(idx)
+            if progress:
+                rate = seen * group.world / (time.perf_counter() - epoch_start)
+                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{correct / seen:.3f}", seq_s=f"{rate:.0f}")
+        loss_sum, correct, seen = group.sum([loss_sum, correct, seen], device)
+        test_correct, test_total = _evaluate(wrapped, test_set, group, device, 256)
+        epoch_seconds = time.perf_counter() - epoch_start
+        record = {
+            "epoch": epoch + 1,
+            "train_loss": loss_sum / seen,
+            "train_accuracy": correct / seen,
+            "test_accuracy": test_correct / test_total,
+            "seconds": epoch_seconds,
+            "sequences_per_second": seen / epoch_seconds,
+        }
+        history.append(record)
+        if not math.isfinite(record["train_loss"]):
+            raise SystemExit(
+                f"tandem train: error: the loss became {record['train_loss']} in epoch {epoch + 1}"
+            )
+        if lead:
+            print(
+                f"epoch {epoch + 1}/{args.epochs}: loss {record['train_loss']:.4f}, train acc "
+                f"{record['train_accuracy']:.4f}, test acc {record['test_accuracy']:.4f}, "
+                f"{epoch_seconds:.1f} s",
+                flush=True,
+            )
+            state: dict[str, Any] = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch + 1,
+                "history": history,
+                "config": run_config,
+                "train_seconds": seconds_before + time.perf_counter() - started,
+            }
+            _atomic_save(lambda tmp, state=state: torch.save(state, tmp), checkpoint_path)
+
+    if lead:
+        train_seconds = seconds_before + time.perf_counter() - started
+        final = history[-1] if history else {}
+        metrics = {
+            "test_accuracy": final.get("test_accuracy"),
+            "train_accuracy": final.get("train_accuracy"),
+            "train_loss": final.get("train_loss"),
+            "train_seconds": train_seconds,
+            "epochs": len(history),
+            "world_size": group.world,
+            "device": str(device),
+            "config": run_config,
+            "history": history,
+            "tandem_version": tandem.__version__,
+            "torch_version": torch.__version__,
+        }
+        text = json.dumps(metrics, indent=2)
+        _atomic_save(lambda tmp: tmp.write_text(text + "\n"), args.out / "metrics.json")
+        if history:
+            _plot(history, args.out / "training_curve.png")
+        print(
+            f"done: test accuracy {metrics['test_accuracy']:.4f} after {len(history)} epochs, "
+            f"{train_seconds:.1f} s of training; wrote metrics.json, training_curve.png and "
+            f"checkpoint.pt to {args.out}",
+            file=sys.stdout,
+            flush=True,
+        )
+    return 0

@@ -1,0 +1,184 @@
+"""Registration of ``tandem::lstm_fwd`` / ``tandem::lstm_bwd`` with the dispatcher.
+
+The forward returns the saved activations as extra outputs (custom ops see only their inputs and
+outputs in ``setup_context``); they are marked non-differentiable, and unused outputs get ``None``
+gradients instead of materialised zeros.
+"""
+
+# No ``from __future__ import annotations`` here: torch 2.4's custom_op reads the annotations at
+# registration time and does not resolve string annotations.
+
+import torch
+from torch import Tensor
+
+from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref
+
+__all__ = ["lstm_fwd", "lstm_bwd"]
+
+
+@torch.library.custom_op("tandem::lstm_fwd", mutates_args=())
+def lstm_fwd(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+    need_saved: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(y, h_n, c_n, gates, cells, tanh_c, hr, states)`` of one LSTM layer; see :func:`lstm_fwd_ref`.
+    The last five (what the backward needs) are empty unless ``need_saved``."""
+    return lstm_fwd_ref(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved)
+
+
+@lstm_fwd.register_fake
+def _lstm_fwd_fake(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved):
+    d_, batch, hid = c0.shape
+    out_size = h0.shape[2]
+    total = x.shape[0]
+    outputs = (
+        x.new_empty(total, d_ * out_size),
+        h0.new_empty(d_, batch, out_size),
+        c0.new_empty(d_, batch, hid),
+    )
+    if not need_saved:
+        return (*outputs, *(x.new_empty(0) for _ in range(5)))
+    return (
+        *outputs,
+        x.new_empty(d_, total, 4 * hid),
+        x.new_empty(d_, total, hid),
+        x.new_empty(d_, total, hid),
+        x.new_empty(d_, total, hid) if w_hr is not None else x.new_empty(0),
+        x.new_empty(d_, total, out_size) if d_ == 2 else x.new_empty(0),
+    )
+
+
+@torch.library.custom_op("tandem::lstm_bwd", mutates_args=())
+def lstm_bwd(
+    dy: Tensor | None,
+    dh_n: Tensor | None,
+    dc_n: Tensor | None,
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    w_hr: Tensor | None,
+    y: Tensor,
+    gates: Tensor,
+    cells: Tensor,
+    tanh_c: Tensor,
+    hr: Tensor,
+    states: Tensor,
+    has_bias: bool,
+    need_dx: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr)``; empty bias gradients without bias, empty
+    ``dw_hr`` without projection, empty dx unless ``need_dx``."""
+    return lstm_bwd_ref(
+        dy,
+        dh_n,
+        dc_n,
+        x,
+        batch_sizes,
+        h0,
+        c0,
+        w_ih,
+        w_hh,
+        w_hr,
+        y,
+        gates,
+        cells,
+        tanh_c,
+        hr,
+        states,
+        has_bias,
+        need_dx,
+    )
+
+
+@lstm_bwd.register_fake
+def _lstm_bwd_fake(
+    dy,
+    dh_n,
+    dc_n,
+    x,
+    batch_sizes,
+    h0,
+    c0,
+    w_ih,
+    w_hh,
+    w_hr,
+    y,
+    gates,
+    cells,
+    tanh_c,
+    hr,
+    states,
+    has_bias,
+    need_dx,
+):
+    d_, rows = w_ih.shape[:2]
+    return (
+        x.new_empty(x.shape) if need_dx else x.new_empty(0),
+        h0.new_empty(h0.shape),
+        c0.new_empty(c0.shape),
+        w_ih.new_empty(w_ih.shape),
+        w_hh.new_empty(w_hh.shape),
+        w_ih.new_empty(d_, rows) if has_bias else w_ih.new_empty(0),
+        w_ih.new_empty(d_, rows) if has_bias else w_ih.new_empty(0),
+        w_hr.new_empty(w_hr.shape) if w_hr is not None else w_ih.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, _, w_hr, need_saved = inputs
+    y, _, _, gates, cells, tanh_c, hr, states = output
+    ctx.need_saved = need_saved
+    ctx.mark_non_differentiable(gates, cells, tanh_c, hr, states)
+    ctx.set_materialize_grads(False)
+    ctx.has_bias = b_ih is not None
+    ctx.save_for_backward(x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, tanh_c, hr, states)
+
+
+def _backward(ctx, dy, dh_n, dc_n, *_):
+    x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, tanh_c, hr, states = ctx.saved_tensors
+    if dy is None and dh_n is None and dc_n is None:
+        return (None,) * 10
+    if not ctx.need_saved:
+        raise RuntimeError("tandem::lstm_fwd: a gradient was asked for but the op ran with need_saved=False")
+    need_dx = ctx.needs_input_grad[0]
+    dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr = lstm_bwd(
+        dy,
+        dh_n,
+        dc_n,
+        x,
+        batch_sizes,
+        h0,
+        c0,
+        w_ih,
+        w_hh,
+        w_hr,
+        y,
+        gates,
+        cells,
+        tanh_c,
+        hr,
+        states,
+        ctx.has_bias,
+        need_dx,
+    )
+    if not need_dx:
+        dx = None
+    if not ctx.has_bias:
+        db_ih = db_hh = None
+    if w_hr is None:
+        dw_hr = None
+    return dx, None, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr, None
+
+
+lstm_fwd.register_autograd(_backward, setup_context=_setup_context)

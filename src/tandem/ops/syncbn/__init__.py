@@ -1,0 +1,220 @@
+"""``tandem.ops.syncbn``: batch norm whose statistics are synchronized over a process group.
+
+The local kernels are custom ops (``torch.ops.tandem.syncbn_*``, see ``op.py``); this layer owns the two
+collectives, one ``all_reduce`` per direction on a small packed tensor, and the autograd that spans them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from tandem._backend import use_triton
+from tandem.ops.syncbn import op as _op  # noqa: F401  (registers torch.ops.tandem.syncbn_*)
+from tandem.ops.syncbn.reference import (
+    acc_dtype,
+    syncbn_bwd_reduce_ref,
+    syncbn_bwd_ref,
+    syncbn_fwd_ref,
+    syncbn_pack_ref,
+    syncbn_stats_ref,
+    syncbn_unpack_ref,
+)
+
+__all__ = ["sync_batch_norm", "sync_group"]
+
+
+def sync_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """The group statistics are synchronized over, or None when there is nothing to synchronize with
+    (torch.distributed unavailable or not initialised, or a group of one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def sync_batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    mask: Tensor | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    sync: bool = True,
+) -> Tensor:
+    """``F.batch_norm`` whose training statistics cover every rank of ``process_group``, and real frames only.
+
+    With ``training=True`` the mean and (biased) variance are those of all ranks' frames together,
+    weighted by each rank's frame count (a rank may have none), merged stably in one ``all_reduce``;
+    ``running_mean``/``running_var``, when given, move by ``momentum`` towards the global mean and
+    unbiased variance, identically on every rank. The backward does one ``all_reduce`` (when the input
+    needs a gradient); weight and bias gradients are the rank's own, as in torch.nn.SyncBatchNorm.
+    With ``training=False`` the running statistics normalise and nothing is communicated. Without a
+    group to synchronize with (see :func:`sync_group`) and without a mask this is ``F.batch_norm``.
+
+    Args:
+        input: ``[N, C, *S]`` (2-D to 5-D; any float dtype, statistics in float32 or float64).
+        running_mean, running_var: ``[C]`` or None.
+        weight, bias: ``[C]`` or None.
+        training, momentum, eps: as for ``F.batch_norm``.
+        mask: ``[N, *S]`` bool, True on real frames, or None. Masked-out frames are left out of the
+            statistics, whatever they hold, and get output 0 and gradient 0.
+        process_group: the group to synchronize over; None is the default (world) group.
+        sync: False keeps the statistics local (torch.nn.SyncBatchNorm's eval mode without running
+            statistics).
+
+    Returns:
+        ``[N, C, *S]`` in the input's dtype and memory format.
+
+    Example::
+
+        >>> x = torch.randn(4, 3, 10)  # [N, C, L]
+        >>> lengths = torch.tensor([10, 7, 3, 1])
+        >>> mask = torch.arange(10) < lengths[:, None]  # [N, L]
+        >>> y = sync_batch_norm(x, None, None, training=True, mask=mask)
+        >>> y.shape, bool((y[3, :, 1:] == 0).all())
+        (torch.Size([4, 3, 10]), True)
+    """
+    if input.dim() < 2:
+        raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+    if mask is not None:
+        _check_mask(mask, input)
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("sync_batch_norm: training=False needs running_mean and running_var, got None")
+    if training and eps <= 0.0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    group = sync_group(process_group) if training and sync else None
+    if group is None and mask is None:
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    return _SyncBatchNorm.apply(
+        _dense(input), weight, bias, mask, running_mean, running_var, training, momentum, eps, group
+    )
+
+
+def _check_mask(mask: Tensor, input: Tensor) -> None:
+    expected = [input.shape[0], *input.shape[2:]]
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask: expected a bool tensor (True = real frame), got {mask.dtype}")
+    if list(mask.shape) != expected:
+        raise ValueError(
+            f"mask: expected shape {expected} (the input's shape without the channel dim), "
+            f"got {list(mask.shape)}"
+        )
+    if mask.device != input.device:
+        raise ValueError(f"mask: expected device {input.device} (the input's), got {mask.device}")
+
+
+def _dense(x: Tensor) -> Tensor:
+    """``x`` itself if it is dense and its spatial dims merge into one (contiguous, channels_last,
+    a transposed ``[N, L, C]`` seen as ``[N, C, L]``, ...), else a contiguous copy."""
+    frames = x.shape[2:].numel()
+    try:
+        strides = x.view(x.shape[0], x.shape[1], frames).stride()
+    except RuntimeError:
+        return x.contiguous()
+    expected = 1
+    for size, stride in sorted(zip((x.shape[0], x.shape[1], frames), strides), key=lambda p: p[1]):
+        if size > 1 and stride != expected:
+            return x.contiguous()
+        expected *= size
+    return x
+
+
+def _eager_reference(x: Tensor) -> bool:
+    """Call the reference kernels directly, lending them the output as scratch (see ``reference._scratch``):
+    plain eager mode on the reference backend. Under torch.compile or a dispatch mode the registered
+    ops run (same kernels, no buffer lending)."""
+    return not (use_triton(x) or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0)
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """The autograd of synchronized batch norm: kernels and collectives, one all_reduce each way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mask, running_mean, running_var, batch_stats, momentum, eps, group):
+        acc = acc_dtype(x.dtype)
+        eager = _eager_reference(x)
+        # the output, lent to the statistics pass as its scratch first (same dtype only)
+        y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if eager else None
+        count = None
+        if batch_stats:
+            if eager:
+                mean_l, m2_l, count_l = syncbn_stats_ref(x, mask, scratch=y)
+            else:
+                mean_l, m2_l, count_l = torch.ops.tandem.syncbn_stats(x, mask)
+            packed = syncbn_pack_ref(mean_l, m2_l, count_l)  # float64 [2C + 1]
+            if group is not None:
+                dist.all_reduce(packed, group=group)
+            mean, m2, count = syncbn_unpack_ref(packed)  # float64: the kernels split the mean into hi + lo
+            # The frame count is on the host for CPU tensors only; on CUDA the check would cost a sync.
+            if not packed.is_cuda and float(count) <= 1:
+                raise ValueError(
+                    "Expected more than 1 value per channel when training, got "
+                    f"{int(count)} frame(s) over all ranks"
+                )
+            var = m2 / count.clamp(min=1)
+            if running_mean is not None and running_var is not None:
+                with torch.no_grad():
+                    _update(running_mean, mean, momentum)
+                    _update(running_var, m2 / (count - 1), momentum)  # unbiased
+            invstd = torch.rsqrt(var + eps).to(acc)
+            count = count.to(acc)
+        else:
+            # a copy: the buffer may move on (a later training step) before this backward runs
+            mean = running_mean.to(torch.float64, copy=True)
+            invstd = torch.rsqrt(running_var.to(acc) + eps)
+        if eager:
+            y = syncbn_fwd_ref(x, mean, invstd, weight, bias, mask, out=y)
+        else:
+            y = torch.ops.tandem.syncbn_fwd(x, mean, invstd, weight, bias, mask)
+        ctx.save_for_backward(x, weight, mean, invstd, mask, count)
+        ctx.group = group
+        ctx.batch_stats = batch_stats
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd, mask, count = ctx.saved_tensors
+        need_dx, need_w, need_b = ctx.needs_input_grad[:3]
+        eager = _eager_reference(x)
+        dx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if eager else None
+        dw = db = None
+        sums = None
+        if (ctx.batch_stats and need_dx) or need_w or need_b:
+            if eager:
+                sum_dy, sum_dy_xhat = syncbn_bwd_reduce_ref(dy, x, mean, invstd, mask, scratch=dx)
+            else:
+                sum_dy, sum_dy_xhat = torch.ops.tandem.syncbn_bwd_reduce(dy, x, mean, invstd, mask)
+            if need_w:
+                dw = sum_dy_xhat.to(weight.dtype)
+            if need_b:
+                db = sum_dy.to(ctx.bias_dtype)
+            sums = (sum_dy, sum_dy_xhat)
+        if not need_dx:
+            dx = None
+        else:
+            if ctx.batch_stats:
+                combined = torch.cat(sums)  # [2C]: the sums of every rank, then divided by all frames
+                if ctx.group is not None:
+                    dist.all_reduce(combined, group=ctx.group)
+                mean_dy, mean_dy_xhat = (combined / count.clamp(min=1)).chunk(2)
+            else:  # fixed (running) statistics: y is affine in x
+                mean_dy = mean_dy_xhat = torch.zeros_like(invstd)
+            if eager:
+                dx = syncbn_bwd_ref(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask, out=dx)
+            else:
+                dx = torch.ops.tandem.syncbn_bwd(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask)
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+def _update(running: Tensor, batch: Tensor, momentum: float) -> None:
+    """``running = (1 - momentum) * running + momentum * batch``, formed in float64 and rounded once."""
+    running.copy_(running.to(torch.float64) * (1.0 - momentum) + batch * momentum)

@@ -1,0 +1,665 @@
+"""tandem.nn.SyncBatchNorm across 2 and 3 Gloo processes against torch.nn.BatchNorm on the concatenated batch.
+
+Each world size is spawned once (a module-scoped fixture): every rank runs all the checks below in order
+and writes one verdict per check; each pytest test then reads its verdict from every rank. Checks do
+their collectives first and compare afterwards, so a failed comparison never leaves a peer waiting;
+the process group has a 30 s timeout and the parent kills the ranks after 150 s, whatever happens.
+
+Collectives are counted twice: by wrapping every collective function of ``torch.distributed`` (what
+Python code can call) and by counting ``c10d::`` ops in the profiler (what reached the backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import tandem
+
+C = 5
+STEPS = 3
+GROUP_TIMEOUT_S = 30
+JOIN_TIMEOUT_S = 150
+WORLDS = {2: [3, 5], 3: [0, 1, 7]}
+
+# --------------------------------------------------------------------------------------------------
+# what runs in every rank
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather",
+    "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv", "broadcast_object_list",
+)  # fmt: skip
+
+
+class Counter:
+    """Counts collective calls through torch.distributed's Python API and c10d ops in the profiler."""
+
+    def __init__(self) -> None:
+        self.python: dict[str, int] = {}
+        self.c10d: dict[str, int] = {}
+
+    @property
+    def total(self) -> tuple[int, int]:
+        return sum(self.python.values()), sum(self.c10d.values())
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Counter]:
+    counter = Counter()
+    saved = []
+    modules = (dist, dist.distributed_c10d)
+    for module in modules:
+        for name in _COLLECTIVES:
+            fn = getattr(module, name, None)
+            if fn is None:
+                continue
+
+            def wrapped(*args, __fn=fn, __name=name, **kwargs):
+                counter.python[__name] = counter.python.get(__name, 0) + 1
+                return __fn(*args, **kwargs)
+
+            saved.append((module, name, fn))
+            setattr(module, name, wrapped)
+    try:
+        # the legacy (non-kineto) profiler: it sees the c10d ops too and starts in ms, not seconds
+        with torch.autograd.profiler.profile(use_kineto=False) as prof:
+            yield counter
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+    for event in prof.function_events:
+        if event.name.startswith("c10d::"):
+            counter.c10d[event.name] = counter.c10d.get(event.name, 0) + 1
+
+
+class Report:
+    """Collects comparison failures instead of raising between collectives."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def close(self, label: str, got: torch.Tensor | None, want: torch.Tensor | None, atol=1e-5, rtol=1e-5):
+        if got is None or want is None:
+            if (got is None) != (want is None):
+                self.errors.append(f"{label}: got {got is not None}, want {want is not None}")
+            return
+        if got.shape != want.shape:
+            self.errors.append(f"{label}: shape {list(got.shape)} != {list(want.shape)}")
+            return
+        if got.numel() == 0:
+            return
+        g, w = got.detach().double(), want.detach().double()
+        if not torch.allclose(g, w, atol=atol, rtol=rtol):
+            err = (g - w).abs().max().item()
+            self.errors.append(f"{label}: max abs error {err:.3g} (atol {atol}, rtol {rtol})")
+
+    def true(self, label: str, ok: bool, detail: str = "") -> None:
+        if not ok:
+            self.errors.append(f"{label}: {detail}")
+
+    def finish(self) -> None:
+        if self.errors:
+            raise AssertionError("\n".join(self.errors))
+
+
+def _gen(*key) -> torch.Generator:
+    """The same generator on every rank (``hash()`` of a str differs between processes)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _slice(batches: list[int], rank: int) -> slice:
+    start = sum(batches[:rank])
+    return slice(start, start + batches[rank])
+
+
+def _all_sum(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _same_on_all_ranks(t: torch.Tensor) -> bool:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return all(torch.equal(p, parts[0]) for p in parts)
+
+
+CASES = {
+    # name: (torch class, frame shape, module kwargs, memory format, dtype)
+    "2d": (torch.nn.BatchNorm1d, (), {}, None, torch.float32),
+    "3d": (torch.nn.BatchNorm1d, (7,), {}, None, torch.float32),
+    "4d": (torch.nn.BatchNorm2d, (3, 4), {}, None, torch.float32),
+    "4d-channels_last": (torch.nn.BatchNorm2d, (3, 4), {}, torch.channels_last, torch.float32),
+    "5d-channels_last_3d": (torch.nn.BatchNorm3d, (2, 3, 2), {}, torch.channels_last_3d, torch.float32),
+    "3d-momentum_none": (torch.nn.BatchNorm1d, (7,), {"momentum": None}, None, torch.float32),
+    "3d-affine_false": (torch.nn.BatchNorm1d, (7,), {"affine": False}, None, torch.float32),
+    "3d-no_running_stats": (torch.nn.BatchNorm1d, (7,), {"track_running_stats": False}, None, torch.float32),
+    "3d-bfloat16": (torch.nn.BatchNorm1d, (7,), {}, None, torch.bfloat16),
+    "4d-float16": (torch.nn.BatchNorm2d, (3, 4), {}, None, torch.float16),
+}
+
+
+def check_equal_to_batchnorm(rank: int, batches: list[int], case: str) -> None:
+    """STEPS training steps and one eval step: outputs, input grads, summed weight/bias grads, running
+    stats (and equal on every rank), against torch's BatchNormNd on the whole batch in one process."""
+    cls, frames, kwargs, fmt, dtype = CASES[case]
+    rep = Report()
+    ours = tandem.nn.SyncBatchNorm(C, **kwargs)
+    ref = cls(C, **kwargs)
+    if ours.affine:
+        with torch.no_grad():
+            w, b = torch.rand(C, generator=_gen(case, "wb")) + 0.5, torch.randn(C, generator=_gen(case, "b"))
+            for m in (ours, ref):
+                m.weight.copy_(w)
+                m.bias.copy_(b)
+    low = dtype != torch.float32
+    tol = dict(atol=2e-2, rtol=2e-2) if low else dict(atol=2e-5, rtol=2e-5)
+    part = _slice(batches, rank)
+    for step in range(STEPS):
+        full = (torch.randn(sum(batches), C, *frames, generator=_gen(case, step)) * 3 + 2).to(dtype)
+        grad = torch.randn(full.shape, generator=_gen(case, step, "g")).to(dtype)
+        if fmt is not None:
+            full = full.contiguous(memory_format=fmt)
+        x = full[part].clone().requires_grad_()
+        if fmt is not None:
+            x = x.detach().contiguous(memory_format=fmt).requires_grad_()
+        y = ours(x)
+        (y * grad[part]).sum().backward()
+        # torch's reference in float32 on the same (rounded) values: what exact low-precision BN rounds
+        xr = full.float().requires_grad_()
+        yr = ref(xr)
+        (yr * grad.float()).sum().backward()
+        rep.close(f"step {step} y", y.float(), yr[part], **tol)
+        rep.true(f"step {step} y dtype", y.dtype == dtype, str(y.dtype))
+        if fmt is not None and x.numel():
+            rep.true(f"step {step} y memory format", y.is_contiguous(memory_format=fmt), str(y.stride()))
+            rep.true(
+                f"step {step} dx memory format", x.grad.is_contiguous(memory_format=fmt), str(x.grad.stride())
+            )
+        rep.close(f"step {step} dx", x.grad.float(), xr.grad[part], **tol)
+        if ours.affine:
+            rep.close(
+                f"step {step} sum dw",
+                _all_sum(ours.weight.grad),
+                ref.weight.grad,
+                atol=1e-4 if not low else 0.1,
+            )
+            rep.close(
+                f"step {step} sum db", _all_sum(ours.bias.grad), ref.bias.grad, atol=1e-4 if not low else 0.1
+            )
+            for m in (ours, ref):
+                m.weight.grad = m.bias.grad = None
+        if ours.track_running_stats:
+            rep.close(f"step {step} running_mean", ours.running_mean, ref.running_mean, atol=1e-6)
+            rep.close(f"step {step} running_var", ours.running_var, ref.running_var, atol=1e-5)
+            rep.true("running stats equal on all ranks", _same_on_all_ranks(ours.running_mean))
+            rep.true("running stats equal on all ranks", _same_on_all_ranks(ours.running_var))
+            rep.true("num_batches_tracked", int(ours.num_batches_tracked) == step + 1)
+    ours.eval()
+    ref.eval()
+    full = torch.randn(sum(batches), C, *frames, generator=_gen(case, "eval")).to(dtype)
+    if ours.track_running_stats:  # eval without running stats = local batch stats, as torch's SyncBatchNorm
+        rep.close("eval y", ours(full[part]).float(), ref(full.float())[part], **tol)
+    rep.true(
+        "state_dict keys", list(ours.state_dict()) == list(ref.state_dict()), str(list(ours.state_dict()))
+    )
+    rep.finish()
+
+
+def check_collectives(rank: int, batches: list[int]) -> None:
+    """One collective per training forward, one per backward; none in eval or without an input grad."""
+    rep = Report()
+    frames = (4,)
+    for kwargs in ({}, {"track_running_stats": False}, {"affine": False}):
+        bn = tandem.nn.SyncBatchNorm(C, **kwargs)
+        x = torch.randn(batches[rank], C, *frames, requires_grad=True)
+        with counting() as fwd:
+            y = bn(x)
+        with counting() as bwd:
+            y.sum().backward()
+        rep.true(f"{kwargs} forward", fwd.total == (1, 1) and fwd.python == {"all_reduce": 1}, str(vars(fwd)))
+        rep.true(
+            f"{kwargs} backward", bwd.total == (1, 1) and bwd.python == {"all_reduce": 1}, str(vars(bwd))
+        )
+        if bn.track_running_stats:
+            bn.eval()
+            with counting() as ev:
+                bn(x).sum().backward()
+            rep.true(f"{kwargs} eval", ev.total == (0, 0), str(vars(ev)))
+    bn = tandem.nn.SyncBatchNorm(C)
+    x = torch.randn(batches[rank], C, *frames)  # only the parameters need gradients
+    with counting() as fwd:
+        y = bn(x, lengths=torch.full((batches[rank],), 2))
+    with counting() as bwd:
+        y.sum().backward()
+    rep.true("masked forward", fwd.total == (1, 1), str(vars(fwd)))
+    rep.true("backward without input grad", bwd.total == (0, 0), str(vars(bwd)))
+    rep.finish()
+
+
+def check_large_offset(rank: int, batches: list[int]) -> None:
+    """mean/std = 1e4 in float32, first step: output and input grad within 1e-5 of a float64 reference
+    (torch's own float32 BatchNorm is off by ~5e-4 there; the sum/sum-of-squares method by 100%)."""
+    rep = Report()
+    full = 1e4 + torch.randn(sum(batches), C, 9, generator=_gen("offset"))  # float32
+    grad = torch.randn(full.shape, generator=_gen("offset", "g"))
+    part = _slice(batches, rank)
+    ours = tandem.nn.SyncBatchNorm(C)
+    x = full[part].clone().requires_grad_()
+    y = ours(x)
+    (y * grad[part]).sum().backward()
+    exact = torch.nn.BatchNorm1d(C, dtype=torch.float64)
+    x64 = full.double().requires_grad_()
+    y64 = exact(x64)
+    (y64 * grad.double()).sum().backward()
+    torch_err = (torch.nn.BatchNorm1d(C)(full) - y64).abs().max().item()
+    err = (y.double() - y64[part]).abs().max().item() if y.numel() else 0.0
+    rep.true(
+        "y vs float64", err <= min(1e-5, 2 * torch_err), f"ours {err:.3g}, torch float32 {torch_err:.3g}"
+    )
+    rep.close("dx vs float64", x.grad, x64.grad[part], atol=1e-5, rtol=0)
+    rep.close("running_mean", ours.running_mean, exact.running_mean, atol=1e-3, rtol=0)
+    rep.close(
+        "running_var (relative)", ours.running_var / exact.running_var, torch.ones(C), atol=1e-5, rtol=0
+    )
+    rep.finish()
+
+
+def check_masked(rank: int, batches: list[int]) -> None:
+    """Padded frames (NaN here) are out of the statistics and get output 0 and gradient 0; the real
+    frames match BatchNorm1d on the real frames of all ranks, via mask=, lengths=, a PackedSequence,
+    and a time-major [T*B, C] flattening with a [T*B] mask."""
+    rep = Report()
+    steps = 6
+    n_all = sum(batches)
+    lengths_all = torch.randint(0, steps + 1, (n_all,), generator=_gen("len"))
+    lengths_all[0] = steps
+    full = torch.randn(n_all, C, steps, generator=_gen("masked")) * 2 + 1
+    grad = torch.randn(full.shape, generator=_gen("masked", "g"))
+    valid_all = torch.arange(steps) < lengths_all[:, None]  # [N, L]
+    full = full.masked_fill(~valid_all[:, None, :], float("nan"))
+    part = _slice(batches, rank)
+    # torch on the real frames only: rows [M, C]
+    rows = full.permute(0, 2, 1)[valid_all].clone().requires_grad_()
+    ref = torch.nn.BatchNorm1d(C)
+    yr = ref(rows)
+    (yr * grad.permute(0, 2, 1)[valid_all]).sum().backward()
+    local_rows = valid_all[part].sum().item()
+    first = valid_all[: part.start].sum().item()
+    mine = slice(first, first + local_rows)
+
+    for how in ("mask", "lengths"):
+        ours = tandem.nn.SyncBatchNorm(C)
+        x = full[part].clone().requires_grad_()
+        kw = {"mask": valid_all[part]} if how == "mask" else {"lengths": lengths_all[part]}
+        y = ours(x, **kw)
+        (y * grad[part]).sum().backward()
+        valid = valid_all[part]
+        rep.close(f"{how} y", y.permute(0, 2, 1)[valid], yr[mine])
+        rep.close(f"{how} dx", x.grad.permute(0, 2, 1)[valid], rows.grad[mine])
+        rep.true(f"{how} padded y == 0", bool((y.permute(0, 2, 1)[~valid] == 0).all()))
+        rep.true(f"{how} padded dx == 0", bool((x.grad.permute(0, 2, 1)[~valid] == 0).all()))
+        rep.close(f"{how} running_mean", ours.running_mean, ref.running_mean, atol=1e-6)
+        rep.close(f"{how} running_var", ours.running_var, ref.running_var, atol=1e-5)
+
+    # PackedSequence: data [P, C] has no padding; a rank without sequences feeds an empty [0, C]
+    ours = tandem.nn.SyncBatchNorm(C)
+    seqs = full[part].permute(2, 0, 1)  # [L, n, C]
+    # the expected time-major [T, B, C] output: BN of the real frames, 0 elsewhere
+    want = torch.zeros(steps, batches[rank], C)
+    want.permute(1, 0, 2)[valid_all[part]] = yr[mine].detach()
+    if batches[rank] and lengths_all[part].min() > 0:
+        packed = pack_padded_sequence(seqs, lengths_all[part], enforce_sorted=False)
+        out = ours(packed)
+        rep.true("packed out type", type(out) is type(packed))
+        rep.true("packed batch_sizes", torch.equal(out.batch_sizes, packed.batch_sizes))
+        rep.close("packed y", pad_packed_sequence(out, total_length=steps)[0], want)
+    else:  # zero-length sequences cannot be packed: this rank takes part with its real frames as rows
+        ours(full[part].permute(0, 2, 1)[valid_all[part]])
+    rep.close("packed running_mean", ours.running_mean, ref.running_mean, atol=1e-6)
+    rep.close("packed running_var", ours.running_var, ref.running_var, atol=1e-5)
+
+    # time-major [T, B, C] features flattened to frames, with a [T * B] mask
+    ours = tandem.nn.SyncBatchNorm(C)
+    h = full[part].permute(2, 0, 1).contiguous()  # [T, B, C]
+    m = valid_all[part].t()  # [T, B]
+    y = ours(h.reshape(-1, C), mask=m.reshape(-1)).view_as(h)
+    rep.close("time-major y", y, want)
+    rep.finish()
+
+
+def check_bench_baseline(rank: int, batches: list[int]) -> None:
+    """The benchmark's sum/sum-of-squares baseline is right at an ordinary scale (so the bench compares
+    against working code), with one all_reduce each way."""
+    from tandem.bench.syncbn import _SumSquaresModule
+
+    rep = Report()
+    full = torch.randn(sum(batches), C, 6, generator=_gen("bench")) * 2 + 1
+    grad = torch.randn(full.shape, generator=_gen("bench", "g"))
+    part = _slice(batches, rank)
+    ours, ref = _SumSquaresModule(C), torch.nn.BatchNorm1d(C)
+    x = full[part].clone().requires_grad_()
+    with counting() as fwd:
+        y = ours(x)
+    with counting() as bwd:
+        (y * grad[part]).sum().backward()
+    xr = full.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * grad).sum().backward()
+    rep.close("y", y, yr[part], atol=1e-4)
+    rep.close("dx", x.grad, xr.grad[part], atol=1e-4)
+    rep.close("sum dw", _all_sum(ours.weight.grad), ref.weight.grad, atol=1e-3)
+    rep.close("running_var", ours.running_var, ref.running_var, atol=1e-4)
+    rep.true("one collective each way", fwd.total == bwd.total == (1, 1), f"{vars(fwd)} {vars(bwd)}")
+    rep.finish()
+
+
+def check_process_group(rank: int, batches: list[int]) -> None:
+    """Statistics shared within ``process_group`` only: ranks 1 and 2 of 3 against BN on their batch."""
+    group = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    rep = Report()
+    if rank in (1, 2):
+        sub = [batches[1], batches[2]]
+        full = torch.randn(sum(sub), C, 3, generator=_gen("group"))
+        ours = tandem.nn.SyncBatchNorm(C, process_group=group)
+        ref = torch.nn.BatchNorm1d(C)
+        part = _slice(sub, rank - 1)
+        with counting() as n:
+            y = ours(full[part])
+        rep.close("y", y, ref(full)[part])
+        rep.close("running_var", ours.running_var, ref.running_var)
+        rep.true("one collective", n.total == (1, 1), str(vars(n)))
+    rep.finish()
+
+
+def _checks(world: int) -> dict[str, Callable[[int, list[int]], None]]:
+    checks: dict[str, Callable[[int, list[int]], None]] = {
+        f"equal-{case}": (lambda r, b, case=case: check_equal_to_batchnorm(r, b, case)) for case in CASES
+    }
+    checks.update(collectives=check_collectives, large_offset=check_large_offset, masked=check_masked)
+    if world == 2:
+        checks["bench_baseline"] = check_bench_baseline
+    if world == 3:
+        checks["process_group"] = check_process_group
+    return checks
+
+
+def _rank_main(rank: int, world: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    verdicts = {}
+    try:
+        for name, check in _checks(world).items():
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            try:
+                check(rank, WORLDS[world])
+                verdicts[name] = "ok"
+            except Exception:
+                verdicts[name] = traceback.format_exc()
+            verdicts[name + ":seconds"] = f"{time.perf_counter() - start:.2f}"
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(verdicts))
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# the parent
+
+
+def _run_world(world: int, tmp: Path) -> list[dict[str, str]]:
+    ctx = mp.start_processes(
+        _rank_main, args=(world, str(tmp / "store"), str(tmp)), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} Gloo ranks did not finish in {JOIN_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory) -> Callable[[int], list[dict[str, str]]]:
+    cache: dict[int, list[dict[str, str]]] = {}
+
+    def get(world: int) -> list[dict[str, str]]:
+        if world not in cache:
+            cache[world] = _run_world(world, tmp_path_factory.mktemp(f"syncbn{world}"))
+        return cache[world]
+
+    return get
+
+
+def _assert_ok(verdicts, world: int, name: str) -> None:
+    per_rank = verdicts(world)
+    failed = {r: v.get(name, "not run") for r, v in enumerate(per_rank) if v.get(name) != "ok"}
+    assert not failed, "\n".join(f"rank {r} (batches {WORLDS[world]}):\n{msg}" for r, msg in failed.items())
+
+
+WORLD_IDS = [pytest.param(w, id=f"{w}ranks-batches{'-'.join(map(str, b))}") for w, b in WORLDS.items()]
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world", WORLD_IDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_equal_to_batchnorm_on_concatenated_batch(verdicts, world, case):
+    _assert_ok(verdicts, world, f"equal-{case}")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world", WORLD_IDS)
+def test_one_collective_per_direction(verdicts, world):
+    _assert_ok(verdicts, world, "collectives")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world", WORLD_IDS)
+def test_large_offset_float32(verdicts, world):
+    _assert_ok(verdicts, world, "large_offset")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world", WORLD_IDS)
+def test_masked_statistics(verdicts, world):
+    _assert_ok(verdicts, world, "masked")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+def test_bench_baseline_is_batchnorm(verdicts):
+    _assert_ok(verdicts, 2, "bench_baseline")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+def test_process_group(verdicts):
+    _assert_ok(verdicts, 3, "process_group")
+
+
+# --------------------------------------------------------------------------------------------------
+# one process: no group to synchronize with
+
+
+@pytest.mark.parametrize(
+    ("cls", "shape", "fmt"),
+    [
+        pytest.param(torch.nn.BatchNorm1d, (6, 4), None, id="2d"),
+        pytest.param(torch.nn.BatchNorm1d, (6, 4, 5), None, id="3d"),
+        pytest.param(torch.nn.BatchNorm2d, (3, 4, 5, 2), torch.channels_last, id="4d-channels_last"),
+        pytest.param(torch.nn.BatchNorm3d, (2, 4, 2, 3, 2), None, id="5d"),
+    ],
+)
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"momentum": None}, {"affine": False, "track_running_stats": False}], ids=str
+)
+def test_without_distributed_is_torch_batchnorm(cls, shape, fmt, kwargs):
+    """No process group: bit-for-bit torch's BatchNormNd (outputs, grads, buffers), eval included."""
+    ours, ref = tandem.nn.SyncBatchNorm(shape[1], **kwargs), cls(shape[1], **kwargs)
+    for _ in range(2):
+        x = torch.randn(shape)
+        x = x.contiguous(memory_format=fmt) if fmt else x
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        ys = [ours(xs[0]), ref(xs[1])]
+        for y in ys:
+            y.square().sum().backward()
+        assert torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
+        if fmt:
+            assert ys[0].is_contiguous(memory_format=fmt)
+    for a, b in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert a[0] == b[0] and torch.equal(a[1], b[1])
+    ours.eval(), ref.eval()
+    x = torch.randn(shape)
+    assert torch.equal(ours(x), ref(x))
+
+
+def test_masked_eval_uses_running_stats_and_zeroes_padding():
+    bn, ref = tandem.nn.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        for m in (bn, ref):
+            m.running_mean.copy_(torch.tensor([1.0, -2.0, 0.5]))
+            m.running_var.copy_(torch.tensor([2.0, 0.5, 1.0]))
+            m.weight.copy_(torch.tensor([1.5, 0.5, -1.0]))
+    bn.eval(), ref.eval()
+    x = torch.randn(4, 3, 6)
+    lengths = torch.tensor([6, 0, 3, 1])
+    y = bn(x, lengths=lengths)
+    valid = torch.arange(6) < lengths[:, None]
+    torch.testing.assert_close(y.permute(0, 2, 1)[valid], ref(x).permute(0, 2, 1)[valid])
+    assert not y.permute(0, 2, 1)[~valid].any()
+
+
+def test_packed_sequence_in_packed_sequence_out():
+    bn, ref = tandem.nn.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    packed = pack_padded_sequence(torch.randn(5, 4, 3), torch.tensor([5, 4, 2, 1]))
+    out = bn(packed)
+    assert isinstance(out, type(packed)) and torch.equal(out.batch_sizes, packed.batch_sizes)
+    torch.testing.assert_close(out.data, ref(packed.data))
+
+
+def test_bad_input_raises_like_torch():
+    bn, ref, sync_ref = tandem.nn.SyncBatchNorm(4), torch.nn.BatchNorm1d(4), torch.nn.SyncBatchNorm(4)
+    # 1-D input: torch.nn.SyncBatchNorm's error and message
+    with pytest.raises(ValueError) as theirs:
+        sync_ref(torch.randn(4))
+    with pytest.raises(ValueError, match="expected at least 2D input") as ours:
+        bn(torch.randn(4))
+    assert str(ours.value) == str(theirs.value)
+    # wrong channel count: torch raises a RuntimeError (from its running_mean check); so do we, naming it
+    with pytest.raises(RuntimeError):
+        ref(torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match="expected input with 4 channels"):
+        bn(torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match="expected input with 4 channels"):
+        bn(torch.randn(3, 5, 2), mask=torch.ones(3, 2, dtype=torch.bool))
+    # one value per channel in training
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        ref(torch.randn(1, 4))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        bn(torch.randn(1, 4))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        bn(torch.randn(3, 4, 2), lengths=torch.tensor([1, 0, 0]))
+    assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_var, torch.ones(4))
+    with pytest.raises(ValueError, match="non-zero"):
+        tandem.nn.SyncBatchNorm(0)(torch.randn(3, 0))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"mask": torch.ones(3, 2)}, "mask: expected a bool tensor", id="mask-dtype"),
+        pytest.param(
+            {"mask": torch.ones(3, 3, dtype=torch.bool)}, r"mask: expected shape \[3, 2\]", id="mask-shape"
+        ),
+        pytest.param(
+            {"lengths": torch.tensor([1, 2])},
+            "lengths: expected a 1-D integer tensor of 3",
+            id="lengths-size",
+        ),
+        pytest.param(
+            {"lengths": torch.tensor([1, 2, 3])}, r"lengths: expected values in \[0, 2\]", id="lengths-range"
+        ),
+        pytest.param(
+            {"mask": torch.ones(3, 2, dtype=torch.bool), "lengths": torch.tensor([1, 2, 2])},
+            "got both",
+            id="both",
+        ),
+    ],
+)
+def test_bad_mask_or_lengths(kwargs, message):
+    bn = tandem.nn.SyncBatchNorm(4)
+    with pytest.raises(ValueError, match=message):
+        bn(torch.randn(3, 4, 2), **kwargs)
+    assert int(bn.num_batches_tracked) == 0
+
+
+def test_lengths_need_3d_and_packed_takes_no_mask():
+    bn = tandem.nn.SyncBatchNorm(4)
+    with pytest.raises(ValueError, match="only for 3-D input"):
+        bn(torch.randn(3, 4, 2, 2), lengths=torch.tensor([1, 2, 2]))
+    packed = pack_padded_sequence(torch.randn(3, 2, 4), torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match="PackedSequence has no padding"):
+        bn(packed, mask=torch.ones(6, dtype=torch.bool))
+
+
+def test_convert_sync_batchnorm_round_trip():
+    """Every BatchNorm*d becomes a tandem.nn.SyncBatchNorm sharing its tensors; state_dict loads both
+    ways; outputs are unchanged (no process group: plain batch norm)."""
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4, momentum=None),
+        torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 6), torch.nn.BatchNorm1d(6, affine=False)
+        ),
+        torch.nn.BatchNorm1d(6, eps=1e-3, bias=False),
+    )
+    net(torch.randn(5, 3, 6, 6))  # non-trivial running stats
+    net.eval()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.randn(5, 3, 6, 6)
+    want = net(x)
+    bn = net[1]
+    conv = tandem.nn.SyncBatchNorm.convert_sync_batchnorm(net, process_group=None)
+    kinds = [type(m) for m in conv.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert kinds == [tandem.nn.SyncBatchNorm] * 3
+    assert conv[1].weight is bn.weight and conv[1].running_mean is bn.running_mean
+    assert conv[1].momentum is None and conv[3].eps == 1e-3 and conv[3].bias is None and not conv[2][2].affine
+    assert not conv[1].training
+    assert list(conv.state_dict()) == list(before)
+    assert all(torch.equal(conv.state_dict()[k], v) for k, v in before.items())
+    assert torch.equal(conv(x), want)
+    fresh = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4, momentum=None),
+        torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 6), torch.nn.BatchNorm1d(6, affine=False)
+        ),
+        torch.nn.BatchNorm1d(6, eps=1e-3, bias=False),
+    )
+    fresh.load_state_dict(conv.state_dict())
+    fresh.eval()
+    assert torch.equal(fresh(x), want)
+    single = tandem.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3))
+    assert type(single) is tandem.nn.SyncBatchNorm

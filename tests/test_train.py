@@ -1,0 +1,115 @@
+"""``tandem train`` end to end: real processes through torchrun, Gloo on 127.0.0.1, bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _tandem(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
+    return subprocess.run(
+        [sys.executable, "-m", "tandem", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+SMALL = ("--hidden", "16", "--layers", "1", "--batch-size", "32")
+
+
+def test_two_processes_learn_and_write_their_files(tmp_path):
+    out = tmp_path / "run"
+    done = _tandem("--nproc", "2", "--epochs", "3", "--out", str(out), *SMALL, "--master-port", _free_port())
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["epochs"] == 3 and len(metrics["history"]) == 3
+    assert metrics["test_accuracy"] > 0.5, metrics  # chance is 1/9
+    assert metrics["train_seconds"] > 0
+    assert (out / "training_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 3
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temporary files left behind"
+
+
+def test_resumed_run_ends_with_the_uninterrupted_weights(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ("--nproc", "2", *SMALL)
+    first = _tandem(*common, "--epochs", "3", "--out", str(straight), "--master-port", _free_port())
+    assert first.returncode == 0, first.stderr[-3000:]
+    part = _tandem(*common, "--epochs", "2", "--out", str(resumed), "--master-port", _free_port())
+    assert part.returncode == 0, part.stderr[-3000:]
+    rest = _tandem(*common, "--epochs", "3", "--resume", "--out", str(resumed), "--master-port", _free_port())
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    a = torch.load(straight / "checkpoint.pt", weights_only=True)
+    b = torch.load(resumed / "checkpoint.pt", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 3
+    for name, tensor in a["model"].items():
+        torch.testing.assert_close(b["model"][name], tensor, rtol=0, atol=0, msg=name)
+    assert [h["test_accuracy"] for h in a["history"]] == [h["test_accuracy"] for h in b["history"]]
+
+
+def test_single_process_matches_no_torchrun(tmp_path):
+    done = _tandem("--nproc", "1", "--epochs", "1", "--out", str(tmp_path / "one"), *SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "one" / "metrics.json").read_text())["world_size"] == 1
+
+
+def test_malformed_data_is_a_clear_error_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.npz"
+    np.savez(
+        bad,
+        features=np.ones((4, 3, 2), np.float32),
+        lengths=np.array([3, 1, 2, 9]),
+        labels=np.zeros(4, np.int64),
+    )
+    out = tmp_path / "out"
+    done = _tandem("--data", str(bad), "--out", str(out), timeout=60)
+    assert done.returncode == 2
+    assert "lengths in [1, 3]" in done.stderr and str(bad) in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_out_is_a_clear_error(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    done = _tandem("--out", str(locked / "run"), timeout=60)
+    assert done.returncode == 2 and "--out" in done.stderr
+
+
+def test_out_that_is_a_file_is_a_clear_error(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    done = _tandem("--out", str(target), timeout=60)
+    assert done.returncode == 2 and "expected a folder" in done.stderr
+    assert target.read_text() == "x"
+
+
+@pytest.mark.parametrize("args, message", [(("--nproc", "0"), "--nproc"), (("--epochs", "-1"), "--epochs")])
+def test_bad_numbers_are_argparse_errors(args, message):
+    done = _tandem(*args, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    done = _tandem("--resume", "--out", str(tmp_path / "empty"), timeout=60)
+    assert done.returncode == 2 and "expected a checkpoint" in done.stderr

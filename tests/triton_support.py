@@ -1,0 +1,49 @@
+"""Running a test file's Triton tests where Triton kernels can run: on a GPU, or on the CPU under
+Triton's interpreter in a fresh process (the env vars must be set before tandem is imported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import _backend
+
+__all__ = ["TRITON_DEVICE", "needs_triton", "run_under_interpreter"]
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _triton_device() -> str | None:
+    if not _backend.triton_available():
+        return None
+    if _backend.FORCE_TRITON:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else None
+
+
+TRITON_DEVICE = _triton_device()
+needs_triton = pytest.mark.skipif(
+    TRITON_DEVICE is None,
+    reason="no GPU: runs in test_triton_kernels_under_interpreter's subprocess (TRITON_INTERPRET=1)",
+)
+
+
+def run_under_interpreter(test_file: str, keyword: str = "triton_kernel_", timeout: float = 280) -> None:
+    """Run ``test_file``'s tests matching ``keyword`` with TRITON_INTERPRET=1 TANDEM_FORCE_TRITON=1;
+    fail unless they all ran and passed."""
+    if not _backend.triton_available():
+        pytest.skip("triton is not installed")
+    if _backend.FORCE_TRITON:
+        pytest.skip("already the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1", TANDEM_FORCE_TRITON="1")
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(SRC), env.get("PYTHONPATH")) if x)
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-k", keyword, "-p", "no:cacheprovider"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    tail = run.stdout[-6000:] + run.stderr[-3000:]
+    assert run.returncode == 0, tail
+    assert " passed" in run.stdout and "skipped" not in run.stdout, tail
