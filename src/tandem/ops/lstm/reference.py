@@ -9,13 +9,18 @@ sequence's own last frame), with torch.nn.LSTM's gate math and gate order (i, f,
     c = f * c_prev + i * g
     h = o * tanh(c)                        (times W_hr^T when there is a projection, proj_size = R)
 
-Saved activations (what the backward needs, so it recomputes nothing) are step-packed and
-direction-major (``[D, P, ...]``): the gate activations, the cell states and tanh(c), the unprojected
-``o * tanh(c)`` when there is a projection, and the output states of the reverse direction.
+torch's tanh costs ~3-5 sigmoids on the CPU, so tanh is never called:
 
-torch's tanh costs ~3-5 sigmoids on the CPU, so g = tanh(a) is computed as 2 * sigmoid(2a) - 1 with the
-factor 2 folded into the g rows of both projection weights (and of the bias): all four gates then take
-one in-place sigmoid per step. The saved ``gates`` therefore hold (i, f, sigmoid(2a_g), o).
+- g = tanh(a) = 2 sigmoid(2a) - 1, the factor 2 folded into the g rows of both weights and the bias, so
+  all four gates take one in-place sigmoid per step; the saved ``gates`` hold (i, f, sigmoid(2a_g), o);
+- the cell state is kept doubled, C = 2c, so that tanh(c) = 2 sigmoid(C) - 1 needs no scaling op.
+
+Saved for the backward, step-packed and direction-major (``[D, P, ...]``): the gate activations, C, the
+unprojected ``o * tanh(c)`` when there is a projection, and the output states of the reverse direction.
+The backward re-derives tanh(c) from C for all steps at once (three vectorised ops) instead of keeping
+another ``[D, P, H]`` buffer alive between forward and backward; nothing of the recurrence is re-run.
+Per step, each direction costs one batched matmul with W_hh plus a few in-place elementwise ops; the
+weight, bias and input gradients are large batched matmuls after the loop.
 """
 
 from __future__ import annotations
