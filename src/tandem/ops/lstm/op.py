@@ -28,9 +28,9 @@ def lstm_fwd(
     b_hh: Tensor | None,
     w_hr: Tensor | None,
     need_saved: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(y, h_n, c_n, gates, cells, tanh_c, hr, states)`` of one LSTM layer; see :func:`lstm_fwd_ref`.
-    The last five (what the backward needs) are empty unless ``need_saved``."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(y, h_n, c_n, gates, cells, hr, states)`` of one LSTM layer; see :func:`lstm_fwd_ref`.
+    The last four (what the backward needs) are empty unless ``need_saved``."""
     return lstm_fwd_ref(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved)
 
 
@@ -45,11 +45,10 @@ def _lstm_fwd_fake(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_sa
         c0.new_empty(d_, batch, hid),
     )
     if not need_saved:
-        return (*outputs, *(x.new_empty(0) for _ in range(5)))
+        return (*outputs, *(x.new_empty(0) for _ in range(4)))
     return (
         *outputs,
         x.new_empty(d_, total, 4 * hid),
-        x.new_empty(d_, total, hid),
         x.new_empty(d_, total, hid),
         x.new_empty(d_, total, hid) if w_hr is not None else x.new_empty(0),
         x.new_empty(d_, total, out_size) if d_ == 2 else x.new_empty(0),
@@ -71,7 +70,6 @@ def lstm_bwd(
     y: Tensor,
     gates: Tensor,
     cells: Tensor,
-    tanh_c: Tensor,
     hr: Tensor,
     states: Tensor,
     has_bias: bool,
@@ -93,7 +91,6 @@ def lstm_bwd(
         y,
         gates,
         cells,
-        tanh_c,
         hr,
         states,
         has_bias,
@@ -116,7 +113,6 @@ def _lstm_bwd_fake(
     y,
     gates,
     cells,
-    tanh_c,
     hr,
     states,
     has_bias,
@@ -137,16 +133,16 @@ def _lstm_bwd_fake(
 
 def _setup_context(ctx, inputs, output):
     x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, _, w_hr, need_saved = inputs
-    y, _, _, gates, cells, tanh_c, hr, states = output
+    y, _, _, gates, cells, hr, states = output
     ctx.need_saved = need_saved
-    ctx.mark_non_differentiable(gates, cells, tanh_c, hr, states)
+    ctx.mark_non_differentiable(gates, cells, hr, states)
     ctx.set_materialize_grads(False)
     ctx.has_bias = b_ih is not None
-    ctx.save_for_backward(x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, tanh_c, hr, states)
+    ctx.save_for_backward(x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, hr, states)
 
 
 def _backward(ctx, dy, dh_n, dc_n, *_):
-    x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, tanh_c, hr, states = ctx.saved_tensors
+    x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, hr, states = ctx.saved_tensors
     if dy is None and dh_n is None and dc_n is None:
         return (None,) * 10
     if not ctx.need_saved:
@@ -166,7 +162,6 @@ def _backward(ctx, dy, dh_n, dc_n, *_):
         y,
         gates,
         cells,
-        tanh_c,
         hr,
         states,
         ctx.has_bias,

@@ -9,13 +9,18 @@ sequence's own last frame), with torch.nn.LSTM's gate math and gate order (i, f,
     c = f * c_prev + i * g
     h = o * tanh(c)                        (times W_hr^T when there is a projection, proj_size = R)
 
-Saved activations (what the backward needs, so it recomputes nothing) are step-packed and
-direction-major (``[D, P, ...]``): the gate activations, the cell states and tanh(c), the unprojected
-``o * tanh(c)`` when there is a projection, and the output states of the reverse direction.
+torch's tanh costs ~3-5 sigmoids on the CPU, so tanh is never called:
 
-torch's tanh costs ~3-5 sigmoids on the CPU, so g = tanh(a) is computed as 2 * sigmoid(2a) - 1 with the
-factor 2 folded into the g rows of both projection weights (and of the bias): all four gates then take
-one in-place sigmoid per step. The saved ``gates`` therefore hold (i, f, sigmoid(2a_g), o).
+- g = tanh(a) = 2 sigmoid(2a) - 1, the factor 2 folded into the g rows of both weights and the bias, so
+  all four gates take one in-place sigmoid per step; the saved ``gates`` hold (i, f, sigmoid(2a_g), o);
+- the cell state is kept doubled, C = 2c, so that tanh(c) = 2 sigmoid(C) - 1 needs no scaling op.
+
+Saved for the backward, step-packed and direction-major (``[D, P, ...]``): the gate activations, C, the
+unprojected ``o * tanh(c)`` when there is a projection, and the output states of the reverse direction.
+The backward re-derives tanh(c) from C for all steps at once (three vectorised ops) instead of keeping
+another ``[D, P, H]`` buffer alive between forward and backward; nothing of the recurrence is re-run.
+Per step, each direction costs one batched matmul with W_hh plus a few in-place elementwise ops; the
+weight, bias and input gradients are large batched matmuls after the loop.
 """
 
 from __future__ import annotations
@@ -60,16 +65,16 @@ def lstm_fwd_ref(
     b_hh: Tensor | None,
     w_hr: Tensor | None,
     need_saved: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """One LSTM layer, all directions. Returns ``(y, h_n, c_n, gates, cells, tanh_c, hr, states)``.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One LSTM layer, all directions. Returns ``(y, h_n, c_n, gates, cells, hr, states)``.
 
     Shapes (R = proj_size, or H without projection): x [P, I], batch_sizes [T] (int64, CPU),
     h0 [D, B, R], c0 [D, B, H], w_ih [D, 4H, I], w_hh [D, 4H, R], b_ih/b_hh [D, 4H] or None,
     w_hr [D, R, H] or None; y [P, D*R] (time-packed), h_n [D, B, R], c_n [D, B, H]. Saved for the
-    backward: gates [D, P, 4H] (i, f, sigmoid(2 a_g), o), cells and tanh_c [D, P, H], hr [D, P, H]
+    backward: gates [D, P, 4H] (i, f, sigmoid(2 a_g), o), cells [D, P, H] (2c), hr [D, P, H]
     (o * tanh(c), empty without projection) and states [D, P, R] (every step's output, step-packed;
     empty with one direction, where it is ``y`` itself). Without ``need_saved`` (no gradient will be
-    asked for) all five are empty and their memory is scratch reused from call to call.
+    asked for) all four are empty and their memory is scratch reused from call to call.
     """
     d_, batch, hid = c0.shape
     out_size = h0.shape[2]
@@ -79,14 +84,14 @@ def lstm_fwd_ref(
 
     y = x.new_empty(total, d_ * out_size)  # y: [P, D*R], time-packed
     # Scratch: the reversed input rows, and when nothing is saved for a backward, every activation.
-    shapes = [(d_, total, 4 * hid), (d_, total, hid), (d_, total, hid)]  # gates, 2c, tanh(c)
+    shapes = [(d_, total, 4 * hid), (d_, total, hid)]  # gates, 2c
     shapes += [(d_, total, hid)] * (w_hr is not None) + [(d_, total, out_size)] * (d_ == 2)  # hr, states
     temps = scratch(x, *[(2, total, x.shape[1])] * (d_ == 2), *(shapes if not need_saved else ()))
     xs_buf = [temps.pop(0)] if d_ == 2 else []
     if need_saved:
         temps = [x.new_empty(shape) for shape in shapes]
-    gates, cells, tanh_c = temps[:3]  # gates: [D, P, 4H]; 2c and tanh(c): [D, P, H]
-    hr = temps[3] if w_hr is not None else None  # o * tanh(c): [D, P, H]
+    gates, cells = temps[:2]  # gates: [D, P, 4H]; 2c: [D, P, H]
+    hr = temps[2] if w_hr is not None else None  # o * tanh(c): [D, P, H]
     states = temps[-1] if d_ == 2 else y.view(1, total, out_size)  # [D, P, R]
     if hr is None:
         hr = states
@@ -104,7 +109,7 @@ def lstm_fwd_ref(
     w_hr_t = w_hr.transpose(1, 2) if w_hr is not None else None  # [D, H, R]
     g_all = steps.split(gates)
     g_i, g_f, g_g, g_o = (steps.split(gates[..., k * hid : (k + 1) * hid]) for k in range(4))
-    c_out, tc, hr_out, h_out = steps.split(cells), steps.split(tanh_c), steps.split(hr), steps.split(states)
+    c_out, hr_out, h_out = steps.split(cells), steps.split(hr), steps.split(states)
     h_prev = [h0] + [h_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
     c_prev = [c0 * 2.0] + [c_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
     for s in range(len(steps.sizes)):
@@ -112,8 +117,8 @@ def lstm_fwd_ref(
         # The cell state is kept doubled, C = 2c, so that tanh(c) = 2 * sigmoid(C) - 1 needs no scaling:
         # C = f * C_prev + 2 * i * g, with g = 2 * sigmoid(2a) - 1, is f * C_prev + 4 * i * sigmoid(2a) - 2i
         torch.mul(g_f[s], c_prev[s], out=c_out[s]).addcmul_(g_i[s], g_g[s], value=4.0).sub_(g_i[s], alpha=2.0)
-        torch.sigmoid(c_out[s], out=tc[s]).mul_(2.0).sub_(1.0)
-        torch.mul(g_o[s], tc[s], out=hr_out[s])
+        # h = o * tanh(c) with tanh(c) built in h's slab (the backward recomputes tanh(c) for all steps)
+        torch.sigmoid(c_out[s], out=hr_out[s]).mul_(2.0).sub_(1.0).mul_(g_o[s])
         if w_hr_t is not None:
             torch.bmm(hr_out[s], w_hr_t, out=h_out[s])
 
@@ -122,7 +127,7 @@ def lstm_fwd_ref(
         y[:, out_size:].copy_(states[1].index_select(0, steps.rev_rows))
     h_n, c_n = _last(states, steps, batch), _last(cells, steps, batch).mul_(0.5)
     if not need_saved:
-        return (y, h_n, c_n, *(x.new_empty(0) for _ in range(5)))
+        return (y, h_n, c_n, *(x.new_empty(0) for _ in range(4)))
     empty = x.new_empty(0)
     return (
         y,
@@ -130,7 +135,6 @@ def lstm_fwd_ref(
         c_n,
         gates,
         cells,
-        tanh_c,
         hr if w_hr is not None else empty,
         states if d_ == 2 else empty.clone(),
     )
@@ -150,7 +154,6 @@ def lstm_bwd_ref(
     y: Tensor,
     gates: Tensor,
     cells: Tensor,
-    tanh_c: Tensor,
     hr: Tensor,
     states: Tensor,
     has_bias: bool,
@@ -177,11 +180,12 @@ def lstm_bwd_ref(
     # the gradients of the outputs and of h_n / c_n; the loop adds the recurrent part in place, so
     # grad_h ends up as the full dL/dh that dW_hr needs.
     # Temporaries come from the reused workspace (see tandem.ops._workspace): none of them escapes.
-    grad_h, grad_c, k, k_c, *xs_buf = scratch(
+    grad_h, grad_c, k, k_c, tanh_c, *xs_buf = scratch(
         x,
         (d_, total, out_size),
         (d_, total, hid),
         (d_, total, 4 * hid),
+        (d_, total, hid),
         (d_, total, hid),
         *[(2, total, inp)] * (d_ - 1),
     )
@@ -202,6 +206,7 @@ def lstm_bwd_ref(
 
     # Local derivatives, for all steps at once: the loop then only multiplies them by u and dL/dh.
     # k = (du/dz_i, du/dz_f, du/dz_g, dh/dz_o) with z the (scaled) gate pre-activations.
+    torch.sigmoid(cells, out=tanh_c).mul_(2.0).sub_(1.0)  # tanh(c) = 2 sigmoid(C) - 1: [D, P, H]
     torch.addcmul(gates, gates, gates, value=-1, out=k)  # sigmoid' = a (1 - a): [D, P, 4H]
     i, sg, o = (gates[..., a * hid : (a + 1) * hid] for a in (0, 2, 3))
     k_i, k_f, k_g, k_o = (k[..., a * hid : (a + 1) * hid] for a in range(4))
