@@ -486,7 +486,8 @@ def plot_speedups(rows: Sequence[BenchRow], path: str | os.PathLike[str]) -> Non
     from matplotlib.figure import Figure  # a bare Figure renders with Agg and leaves pyplot's state alone
 
     ops = list(dict.fromkeys(r.op for r in rows))
-    fig = Figure(figsize=(9, 3.2 * max(1, len(ops))), layout="constrained")
+    # shape ids are long: rotated labels, and room for them below each panel
+    fig = Figure(figsize=(10, 4.6 * max(1, len(ops))), layout="constrained")
     axes = fig.subplots(max(1, len(ops)), 1, squeeze=False)[:, 0]
     for ax, op in zip(axes, ops):
         op_rows = [r for r in rows if r.op == op]
@@ -508,7 +509,8 @@ def plot_speedups(rows: Sequence[BenchRow], path: str | os.PathLike[str]) -> Non
             ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=8)
         ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label=f"{base or 'baseline'} (1.0x)")
         ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([f"{s}\n{m}" if multi_mode else s for s, m in cases], fontsize=8)
+        labels = [f"{s} {m}" if multi_mode else s for s, m in cases]
+        ax.set_xticklabels(labels, fontsize=8, rotation=30, ha="right", rotation_mode="anchor")
         ax.set_ylabel("speedup (p50)")
         ax.margins(y=0.12)  # room for the bar labels
         ax.set_title(op)
