@@ -1,0 +1,101 @@
+"""What tandem.nn.GRU and tandem.nn.LSTM share around their ops: input forms, weights, checks, outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+__all__ = ["Rows", "RNNLayers"]
+
+
+@dataclass
+class Rows:
+    """An input as the ops take it: packed rows ``[P, I]`` and ``batch_sizes``, plus how to undo it."""
+
+    data: Tensor
+    batch_sizes: Tensor | None  # None until ``to_rows`` fills it for a padded input
+    mini_batch: int
+    packed: bool
+    batched: bool = True
+    batch_dim: int = 1
+    sorted_indices: Tensor | None = None
+    unsorted_indices: Tensor | None = None
+    checked: Tensor | None = None  # what torch's check_forward_args looks at (input or packed data)
+
+
+class RNNLayers(torch.nn.RNNBase):
+    """``torch.nn.RNNBase`` plus the plumbing of a packed-rows RNN module; subclasses own the hidden state."""
+
+    def _layer_weights(self, layer: int, names: tuple[str, ...]) -> tuple[Tensor | None, ...]:
+        """The layer's parameters ``names`` stacked over directions (``[D, ...]``), None where absent."""
+        suffixes = ("", "_reverse") if self.bidirectional else ("",)
+        stacked: list[Tensor | None] = []
+        for name in names:
+            if (name.startswith("bias") and not self.bias) or (name == "weight_hr" and not self.proj_size):
+                stacked.append(None)
+                continue
+            # getattr each call, so torch.func.functional_call and reassigned parameters are honoured
+            per_direction = [getattr(self, f"{name}_l{layer}{s}") for s in suffixes]
+            stacked.append(
+                per_direction[0].unsqueeze(0) if len(suffixes) == 1 else torch.stack(per_direction)
+            )
+        return tuple(stacked)
+
+    def _take_input(self, input: Tensor | PackedSequence) -> Rows:
+        """Unpack a PackedSequence, or check a padded input's dims and unsqueeze an unbatched one."""
+        if isinstance(input, PackedSequence):
+            data, batch_sizes, sorted_indices, unsorted_indices = input
+            return Rows(
+                data, batch_sizes, int(batch_sizes[0]), True, True, 1, sorted_indices, unsorted_indices, data
+            )
+        if input.dim() not in (2, 3):
+            raise ValueError(f"{self.mode}: Expected input to be 2D or 3D, got {input.dim()}D instead")
+        batched = input.dim() == 3
+        batch_dim = 0 if self.batch_first else 1
+        if not batched:
+            input = input.unsqueeze(batch_dim)
+        return Rows(input, None, input.size(batch_dim), False, batched, batch_dim, checked=input)
+
+    def _to_rows(self, rows: Rows) -> None:
+        """A padded batch is a packed one whose sequences all have length T: time-major rows."""
+        if rows.packed:
+            return
+        x = rows.data.transpose(0, 1) if self.batch_first else rows.data
+        steps = x.size(0)
+        rows.data = x.reshape(steps * rows.mini_batch, self.input_size)
+        rows.batch_sizes = torch.full((steps,), rows.mini_batch, dtype=torch.long)
+
+    def _check_devices_and_dtypes(self, data: Tensor, states: dict[str, Tensor]) -> None:
+        weight = self.weight_ih_l0
+        if data.device != weight.device:
+            raise RuntimeError(
+                "Input and parameter tensors are not at the same device, found input tensor at "
+                f"{data.device} and parameter tensor at {weight.device}"
+            )
+        for name, t in states.items():
+            if t.device != data.device:
+                raise RuntimeError(
+                    "Input and hidden tensors are not at the same device, found input tensor at "
+                    f"{data.device} and hidden tensor at {t.device}"
+                )
+            if t.dtype != data.dtype:
+                raise RuntimeError(
+                    f"{self.mode}: expected {name} of dtype {data.dtype} (the input's dtype), got {t.dtype}"
+                )
+
+    def _dropout(self, layer_output: Tensor, layer: int) -> Tensor:
+        if self.dropout > 0 and self.training and layer < self.num_layers - 1:
+            return torch.nn.functional.dropout(layer_output, self.dropout, training=True)
+        return layer_output
+
+    def _give_output(self, rows: Rows, output: Tensor) -> Tensor | PackedSequence:
+        """The last layer's rows ``[P, D*H]`` in the form of the input."""
+        if rows.packed:
+            return PackedSequence(output, rows.batch_sizes, rows.sorted_indices, rows.unsorted_indices)
+        out = output.view(-1, rows.mini_batch, output.shape[-1])
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        return out if rows.batched else out.squeeze(rows.batch_dim)
