@@ -157,37 +157,6 @@ def test_state_dict_and_init_match_torch(proj_size: int):
     assert str(ours) == str(ref)
 
 
-def test_dropout_between_layers_matches_torch_and_is_off_in_eval():
-    kwargs = dict(num_layers=3, dropout=0.4, bidirectional=True, dtype=torch.float64)
-    ref, ours = torch.nn.LSTM(5, 6, **kwargs), tandem.nn.LSTM(5, 6, **kwargs)
-    ours.load_state_dict(ref.state_dict())
-    x = torch.randn(7, 3, 5, dtype=torch.float64)
-    torch.manual_seed(11)
-    expected, _ = ref(x)
-    torch.manual_seed(11)
-    got, _ = ours(x)
-    torch.testing.assert_close(got, expected)  # same dropout masks: same draws on same-shaped outputs
-    ours.eval()
-    first, _ = ours(x)
-    second, _ = ours(x)
-    assert torch.equal(first, second)
-    ref.eval()
-    torch.testing.assert_close(first, ref(x)[0])
-
-
-def test_input_without_grad_skips_dx_and_keeps_parameter_grads():
-    """Layer 0 of a model gets features that need no gradient: dx is skipped, the rest is unchanged."""
-    ref = torch.nn.LSTM(5, 6, num_layers=2, bidirectional=True, dtype=torch.float64)
-    ours = tandem.nn.LSTM(5, 6, num_layers=2, bidirectional=True, dtype=torch.float64)
-    ours.load_state_dict(ref.state_dict())
-    x = torch.randn(7, 3, 5, dtype=torch.float64)
-    for module in (ref, ours):
-        out, (h_n, c_n) = module(x)
-        (out.square().sum() + h_n.sum() + c_n.sum()).backward()
-    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, msg=name)
-
-
 @pytest.mark.parametrize("used", ["output", "h_n", "c_n"])
 def test_single_output_in_the_loss_matches_torch(used: str):
     ref = torch.nn.LSTM(5, 6, bidirectional=True, dtype=torch.float64)
