@@ -40,6 +40,57 @@ def _stack_directions(x: Tensor, steps: PackedSteps, out: Tensor) -> Tensor:
     return out
 
 
+def gru_fwd_prologue(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    xs: Tensor,
+) -> tuple[PackedSteps, Tensor, Tensor, Tensor, Tensor]:
+    """What the forward does before its time loop, on every backend: ``(steps, gates, y, states, hn)``.
+
+    ``gates`` [D, P, 3H] holds the input projection of every step and both directions (one batched
+    matmul), with b_hr and b_hz folded in and the n rows doubled: n = tanh(a) is computed as
+    2 * sigmoid(2a) - 1 (torch's CPU tanh costs ~5 sigmoids), so the loop adds ``2 r (W_hn h + b_hn)``
+    to them. The loop overwrites each step's slab with (r, z, n) and fills ``states`` and ``hn``.
+    ``xs`` is a ``[D, P, I]`` workspace for two directions (ignored for one).
+    """
+    d_, batch, hid = h0.shape
+    total = x.shape[0]
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="gru")
+    n_scale = x.new_tensor([1.0, 1.0, 2.0]).repeat_interleave(hid).unsqueeze(1)  # [3H, 1]
+    xs = _stack_directions(x, steps, xs)  # [D, P, I]
+    gates = x.new_empty(d_, total, 3 * hid)  # gates: [D, P, 3H]
+    w_in = (w_ih * n_scale).transpose(1, 2)  # [D, I, 3H]
+    if b_ih is not None:
+        # b_hr and b_hz only ever add to the input side: fold them in here, once for all steps
+        bias = b_ih + F.pad(b_hh[:, : 2 * hid], (0, hid))
+        torch.baddbmm((bias * n_scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
+    else:
+        torch.bmm(xs, w_in, out=gates)
+
+    y = x.new_empty(total, d_ * hid)  # y: [P, D*H], time-packed
+    states = y.view(1, total, hid) if d_ == 1 else x.new_empty(d_, total, hid)  # [D, P, H]
+    hn = x.new_empty(d_, total, hid)  # hn: [D, P, H]
+    return steps, gates, y, states, hn
+
+
+def gru_fwd_epilogue(
+    steps: PackedSteps, y: Tensor, gates: Tensor, hn: Tensor, states: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What the forward does after its time loop: the reverse direction's outputs into ``y``, ``h_n``;
+    returns the op's outputs ``(y, h_n, gates, hn, states)``."""
+    d_, total, hid = states.shape
+    batch = steps.sizes[0]
+    if d_ == 2:
+        y[:, :hid].copy_(states[0])
+        y[:, hid:].copy_(states[1].index_select(0, steps.rev_rows))
+    h_n = states[:, total - batch :].clone() if steps.uniform else states.index_select(1, steps.last_rows)
+    return y, h_n, gates, hn, states if d_ == 2 else y.new_empty(0)
+
+
 def gru_fwd_ref(
     x: Tensor,
     batch_sizes: Tensor,
@@ -57,29 +108,9 @@ def gru_fwd_ref(
     state, step-packed). With one direction the states are ``y`` itself and ``states`` is empty.
     """
     d_, batch, hid = h0.shape
-    total = x.shape[0]
-    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="gru")
-
-    # torch's tanh costs ~5 sigmoids on the CPU, so n = tanh(a) is computed as 2 * sigmoid(2a) - 1, the
-    # factor 2 folded into the n rows of the input projection and into the step's addcmul.
-    n_scale = x.new_tensor([1.0, 1.0, 2.0]).repeat_interleave(hid).unsqueeze(1)  # [3H, 1]
-    # Input projection of every step and both directions in one batched matmul, written in place.
     # temporaries from the reused workspace: the step's W_hh h, and x with the reverse direction's rows
-    work, xs = scratch(x, (d_ * batch * 3 * hid,), (d_ if d_ == 2 else 0, total, x.shape[1]))
-    xs = _stack_directions(x, steps, xs)  # [D, P, I]
-    gates = x.new_empty(d_, total, 3 * hid)  # gates: [D, P, 3H]
-    w_in = (w_ih * n_scale).transpose(1, 2)  # [D, I, 3H]
-    if b_ih is not None:
-        # b_hr and b_hz only ever add to the input side: fold them in here, once for all steps
-        bias = b_ih + F.pad(b_hh[:, : 2 * hid], (0, hid))
-        torch.baddbmm((bias * n_scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
-    else:
-        torch.bmm(xs, w_in, out=gates)
-    del xs
-
-    y = x.new_empty(total, d_ * hid)  # y: [P, D*H], time-packed
-    states = y.view(1, total, hid) if d_ == 1 else x.new_empty(d_, total, hid)  # [D, P, H]
-    hn = x.new_empty(d_, total, hid)  # hn: [D, P, H]
+    work, xs = scratch(x, (d_ * batch * 3 * hid,), (d_ if d_ == 2 else 0, x.shape[0], x.shape[1]))
+    steps, gates, y, states, hn = gru_fwd_prologue(x, batch_sizes, h0, w_ih, b_ih, b_hh, xs)
 
     w_hh_t = w_hh.transpose(1, 2)  # [D, H, 3H]
     bias_hn = b_hh[:, 2 * hid :].unsqueeze(1) if b_hh is not None else None  # [D, 1, H]
@@ -103,11 +134,7 @@ def gru_fwd_ref(
         # h = (1 - z) * n + z * h_prev
         torch.lerp(g_n[s], h_prev[s], g_z[s], out=h_out[s])
 
-    if d_ == 2:
-        y[:, :hid].copy_(states[0])
-        y[:, hid:].copy_(states[1].index_select(0, steps.rev_rows))
-    h_n = states[:, total - batch :].clone() if steps.uniform else states.index_select(1, steps.last_rows)
-    return y, h_n, gates, hn, states if d_ == 2 else x.new_empty(0)
+    return gru_fwd_epilogue(steps, y, gates, hn, states)
 
 
 def gru_bwd_ref(
@@ -133,31 +160,17 @@ def gru_bwd_ref(
     """
     d_, batch, hid = h0.shape
     total = x.shape[0]
-    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="gru")
-    if d_ == 1:
-        states = y.view(1, total, hid)
-
-    # Temporaries (never outputs) from the reused workspace, all in one request.
     two = d_ == 2
+    # Temporaries (never outputs) from the reused workspace, all in one request.
     dgates, dn_in, grad_steps, xs, h_prev = scratch(
         x,
         (d_, total, 3 * hid),  # hidden-side gate gradients
         (d_, total, hid),  # input-side n gradient
         (d_ if two else 0, total, hid),  # dy in step order
         (d_ if two else 0, total, x.shape[1]),  # x, and x with the reverse direction's rows
-        (0 if steps.uniform else d_, total, hid),  # previous states, packed case
+        (d_, total, hid),  # previous states (packed batches only)
     )
-    # dL/dh from the outputs, step-packed like the states: [D, P, H]
-    if dy is None:
-        grad_out = x.new_zeros(d_, total, hid)
-    elif d_ == 1:
-        grad_out = dy.view(1, total, hid)
-    else:
-        grad_out = grad_steps
-        grad_out[0].copy_(dy[:, :hid])
-        torch.index_select(dy[:, hid:], 0, steps.rev_rows, out=grad_out[1])
-    if dh_n is None:
-        dh_n = x.new_zeros(d_, batch, hid)
+    steps, states, grad_out, dh_n = gru_bwd_prologue(dy, dh_n, x, batch_sizes, h0, y, states, grad_steps)
 
     # Gate gradients per step. dgates holds the hidden-side ones (dr, dz, dn * r): one batched matmul
     # with W_hh per step and one with the previous states after the loop. The input side differs only
@@ -186,7 +199,64 @@ def gru_bwd_ref(
         # dr_pre = dn_pre * (W_hn h + b_hn) * r * (1 - r)
         torch.mul(dn_h[s], hn_s[s], out=dr[s]).addcmul_(dr[s], r[s], value=-1)
         dh = torch.baddbmm(dh_z, dg[s], w_hh)
-    dh0 = dh
+    dx, dw_ih, dw_hh, db_ih, db_hh = gru_bwd_epilogue(
+        steps, x, h0, w_ih, states, dgates, dn_in, has_bias, need_dx, xs, h_prev
+    )
+    return dx, dh, dw_ih, dw_hh, db_ih, db_hh
+
+
+def gru_bwd_prologue(
+    dy: Tensor | None,
+    dh_n: Tensor | None,
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    y: Tensor,
+    states: Tensor,
+    grad_steps: Tensor,
+) -> tuple[PackedSteps, Tensor, Tensor, Tensor]:
+    """What the backward does before its time loop, on every backend: ``(steps, states, grad_out,
+    dh_n)``, with the states ``[D, P, H]`` (``y`` itself for one direction), ``grad_out`` the gradient
+    arriving from ``y`` in step-packed order (written into ``grad_steps`` for two directions) and
+    zeros for an unused output."""
+    d_, batch, hid = h0.shape
+    total = x.shape[0]
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="gru")
+    if d_ == 1:
+        states = y.view(1, total, hid)
+    # dL/dh from the outputs, step-packed like the states: [D, P, H]
+    if dy is None:
+        grad_out = x.new_zeros(d_, total, hid)
+    elif d_ == 1:
+        grad_out = dy.view(1, total, hid)
+    else:
+        grad_out = grad_steps
+        grad_out[0].copy_(dy[:, :hid])
+        torch.index_select(dy[:, hid:], 0, steps.rev_rows, out=grad_out[1])
+    if dh_n is None:
+        dh_n = x.new_zeros(d_, batch, hid)
+    return steps, states, grad_out, dh_n
+
+
+def gru_bwd_epilogue(
+    steps: PackedSteps,
+    x: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    states: Tensor,
+    dgates: Tensor,
+    dn_in: Tensor,
+    has_bias: bool,
+    need_dx: bool,
+    xs: Tensor,
+    h_prev: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What the backward does after its time loop: ``(dx, dw_ih, dw_hh, db_ih, db_hh)`` as large
+    batched matmuls over all steps, from the hidden-side gate gradients ``dgates`` [D, P, 3H]
+    (dr, dz, dn * r) and the input-side n gradient ``dn_in`` [D, P, H]. ``xs`` ([D, P, I], two
+    directions) and ``h_prev`` ([D, P, H], packed batches) are workspaces."""
+    d_, batch, hid = h0.shape
+    total = x.shape[0]
 
     # dW_hh = sum over steps of dgates^T h_prev, where h_prev is h0 at step 0
     if steps.uniform:
@@ -210,4 +280,4 @@ def gru_bwd_ref(
         db_ih = torch.cat([db_hh[:, : 2 * hid], dn_in.sum(1)], 1)
     else:
         db_ih, db_hh = x.new_empty(0), x.new_empty(0)
-    return dx, dh0, dw_ih, dw_hh, db_ih, db_hh
+    return dx, dw_ih, dw_hh, db_ih, db_hh
