@@ -3,6 +3,10 @@
 The forward returns the saved activations as extra outputs (custom ops see only their inputs and
 outputs in ``setup_context``); they are marked non-differentiable, and unused outputs get ``None``
 gradients instead of materialised zeros.
+
+Kernels: the time loops run in Triton (:mod:`tandem.ops.gru.triton`) for CUDA tensors, registered with
+``register_kernel("cuda")``, and for CPU tensors when ``TANDEM_FORCE_TRITON=1`` (how CI runs them under
+Triton's interpreter); otherwise in plain PyTorch (:mod:`tandem.ops.gru.reference`).
 """
 
 # No ``from __future__ import annotations`` here: torch 2.4's custom_op reads the annotations at
@@ -11,6 +15,7 @@ gradients instead of materialised zeros.
 import torch
 from torch import Tensor
 
+from tandem._backend import triton_available, use_triton
 from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref
 
 __all__ = ["gru_fwd", "gru_bwd"]
@@ -27,7 +32,8 @@ def gru_fwd(
     b_hh: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(y, h_n, gates, hn, states)`` of one GRU layer; see :func:`gru_fwd_ref` for the shapes."""
-    return gru_fwd_ref(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
+    kernel = _triton_fwd if use_triton(x) else gru_fwd_ref
+    return kernel(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
 
 
 @gru_fwd.register_fake
@@ -62,7 +68,8 @@ def gru_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dh0, dw_ih, dw_hh, db_ih, db_hh)``; empty bias gradients without bias, empty dx unless
     ``need_dx``."""
-    return gru_bwd_ref(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx)
+    kernel = _triton_bwd if use_triton(x) else gru_bwd_ref
+    return kernel(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx)
 
 
 @gru_bwd.register_fake
@@ -110,3 +117,21 @@ def _backward(ctx, dy, dh_n, *_):
 
 
 gru_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# The Triton module is imported on first use: importing triton costs ~1 s, and Triton is optional.
+def _triton_fwd(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh):
+    from tandem.ops.gru.triton import gru_fwd_triton
+
+    return gru_fwd_triton(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
+
+
+def _triton_bwd(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx):
+    from tandem.ops.gru.triton import gru_bwd_triton
+
+    return gru_bwd_triton(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx)
+
+
+if triton_available():
+    gru_fwd.register_kernel("cuda")(_triton_fwd)
+    gru_bwd.register_kernel("cuda")(_triton_bwd)

@@ -1,0 +1,306 @@
+"""Triton kernels of ``tandem::gru_fwd`` / ``tandem::gru_bwd``: one fused launch per time step that
+serves every active sequence and both directions.
+
+Only the time loops run here. What comes before and after them is the same on every backend and
+lives in :mod:`tandem.ops.gru.reference` (``gru_fwd_prologue`` / ``gru_fwd_epilogue``,
+``gru_bwd_prologue`` / ``gru_bwd_epilogue``): the input projection of all steps and both directions
+as one batched matmul, the outputs' layout, and the weight, bias and input gradients as large batched
+matmuls over the per-step gate gradients. The saved buffers (gates r, z, n; ``W_hn h + b_hn``; the
+states) have the reference's layout and meaning, so either backend's backward reads either forward.
+
+Forward step ``s`` (grid ``(D, cdiv(B_s, BLOCK_B), cdiv(H, BLOCK_H))``, ``B_s`` = active sequences):
+program ``(d, b, j)`` computes ``h_prev[b-block] @ W_hh[d]^T`` for the r, z and n columns of its
+j-block over a K loop (``tl.dot``, fp32 accumulation), adds the step's input projection, applies the
+gates, writes r, z, n in place of the projection, ``W_hn h + b_hn`` and the new state. Data is
+addressed by row index: step ``s`` of direction ``d`` is row ``offsets[s] + b`` of the step-packed
+``[D, P, .]`` buffers, its previous state row ``offsets[s-1] + b`` of the states (``h0`` at s = 0).
+
+Backward step ``s``, in reverse (grid ``(D, cdiv(B_s, BLOCK_B), cdiv(H, BLOCK_K))``): program
+``(d, b, k)`` recomputes, element by element, the gate gradients of its rows for every column block
+``j`` (``dh`` = carried gradient + the output's gradient of this step) and accumulates
+``dgates[b, j] @ W_hh[d, j, k]`` over ``j``, then adds ``dh * z`` of its own columns: the carried
+gradient of the previous step. The ``k = 0`` programs store the gate gradients for the matmuls after
+the loop. The carried gradient lives in two fp32 ``[D, B, H]`` buffers used in turn (a program reads
+every column of its rows while others write theirs, so one buffer would race); both start as ``dh_n``,
+which is right for the sequences that join at a step: those rows were never written.
+
+Not yet done (no GPU was available to measure them): capturing the per-step launches in a CUDA graph
+or a persistent kernel for the hidden sizes whose weights fit on chip, and any tuning of the block
+sizes. Float64 tiles use an exact broadcast-and-sum product instead of ``tl.dot``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from tandem.ops._workspace import scratch
+from tandem.ops.gru.reference import (
+    gru_bwd_epilogue,
+    gru_bwd_prologue,
+    gru_fwd_epilogue,
+    gru_fwd_prologue,
+)
+
+__all__ = ["gru_fwd_triton", "gru_bwd_triton"]
+
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """``acc + a @ b`` in fp32 (fp64 for float64 tiles, where ``tl.dot`` is not used)."""
+    if PRECISION == "fp64":
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], 1)
+    elif PRECISION == "ieee":
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gru_fwd_step(
+    gates,  # [D, P, 3H]: in: the input projection (n part doubled); out: r, z, n
+    hn_out,  # [D, P, H]: W_hn h_prev + b_hn
+    states,  # [D, P, H]: out: the new state, row `row0 + b`
+    h_prev,  # base of the previous states: h0 [D, B, H] or `states`
+    stride_prev_d,  # direction stride of h_prev
+    prev_row0,  # row of sequence 0's previous state in h_prev
+    w_hh,  # [D, 3H, H], contiguous
+    b_hn,  # [D, H] (b_hh's n part) or a dummy when not HAS_BIAS
+    row0,  # first step-packed row of this step
+    n_rows,  # active sequences at this step
+    total,  # P
+    H: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    d = tl.program_id(0)
+    rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rj = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mb = rb < n_rows
+    mj = rj < H
+    acc_dtype = tl.float64 if PRECISION == "fp64" else tl.float32
+    acc_r = tl.zeros((BLOCK_B, BLOCK_H), acc_dtype)
+    acc_z = tl.zeros((BLOCK_B, BLOCK_H), acc_dtype)
+    acc_n = tl.zeros((BLOCK_B, BLOCK_H), acc_dtype)
+    p_prev = h_prev + d * stride_prev_d + (prev_row0 + rb)[:, None] * H
+    p_w = w_hh + d * 3 * H * H + rj[None, :] * H  # W_hh^T tile: [K, j]
+    for k0 in range(0, H, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mk = rk < H
+        h = tl.load(p_prev + rk[None, :], mask=mb[:, None] & mk[None, :], other=0.0)
+        mw = mk[:, None] & mj[None, :]
+        acc_r = _dot(h, tl.load(p_w + rk[:, None], mask=mw, other=0.0), acc_r, PRECISION)
+        acc_z = _dot(h, tl.load(p_w + H * H + rk[:, None], mask=mw, other=0.0), acc_z, PRECISION)
+        acc_n = _dot(h, tl.load(p_w + 2 * H * H + rk[:, None], mask=mw, other=0.0), acc_n, PRECISION)
+
+    m = mb[:, None] & mj[None, :]
+    p_g = gates + d * total * 3 * H + (row0 + rb)[:, None] * (3 * H) + rj[None, :]
+    r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(acc_dtype) + acc_r)
+    z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(acc_dtype) + acc_z)
+    hn = acc_n
+    if HAS_BIAS:
+        hn += tl.load(b_hn + d * H + rj, mask=mj, other=0.0).to(acc_dtype)[None, :]
+    # n = tanh(a_in + r * hn) = 2 sigmoid(2 a_in + 2 r hn) - 1, the projection holding 2 a_in
+    n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(acc_dtype) + 2.0 * r * hn) - 1.0
+    h_old = tl.load(p_prev + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+    h = n + z * (h_old - n)  # (1 - z) n + z h_prev
+    out_dtype = gates.dtype.element_ty
+    tl.store(p_g, r.to(out_dtype), mask=m)
+    tl.store(p_g + H, z.to(out_dtype), mask=m)
+    tl.store(p_g + 2 * H, n.to(out_dtype), mask=m)
+    p_row = d * total * H + (row0 + rb)[:, None] * H + rj[None, :]
+    tl.store(hn_out + p_row, hn.to(out_dtype), mask=m)
+    tl.store(states + p_row, h.to(out_dtype), mask=m)
+
+
+@triton.jit
+def _gru_bwd_step(
+    carry_in,  # [D, B, H] fp32: dL/dh of this step's states, except the output's part
+    carry_out,  # [D, B, H] fp32: out: dL/dh_prev
+    grad_out,  # [D, P, H]: the output's gradient, step-packed
+    gates,  # [D, P, 3H]: r, z, n
+    hn,  # [D, P, H]: W_hn h_prev + b_hn
+    states,  # [D, P, H]: this step's states
+    w_hh,  # [D, 3H, H], contiguous
+    dgates,  # [D, P, 3H]: out: dr, dz, dn * r (pre-activation, hidden side)
+    dn_in,  # [D, P, H]: out: dn (pre-activation, input side)
+    row0,
+    n_rows,
+    batch,  # B: the carry buffers' rows
+    total,  # P
+    H: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    d = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mb = rb < n_rows
+    mk = rk < H
+    acc_dtype = tl.float64 if PRECISION == "fp64" else tl.float32
+    dt = gates.dtype.element_ty
+    p_carry = d * batch * H + rb[:, None] * H  # + column
+    p_row = d * total * H + (row0 + rb)[:, None] * H  # + column, [D, P, H] buffers
+    p_row3 = d * total * 3 * H + (row0 + rb)[:, None] * (3 * H)  # + column, [D, P, 3H] buffers
+    p_w = w_hh + d * 3 * H * H + rk[None, :]  # + j * H: a [j, k] tile of W_hh
+    acc = tl.zeros((BLOCK_B, BLOCK_K), acc_dtype)
+    for j0 in range(0, H, BLOCK_J):
+        rj = j0 + tl.arange(0, BLOCK_J)
+        mj = rj < H
+        m = mb[:, None] & mj[None, :]
+        dh = tl.load(carry_in + p_carry + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+        dh += tl.load(grad_out + p_row + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+        r = tl.load(gates + p_row3 + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+        z = tl.load(gates + p_row3 + H + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+        n = tl.load(gates + p_row3 + 2 * H + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+        h = tl.load(states + p_row + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+        a = dh * (1.0 - z)
+        dz = a * (h - n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
+        dn = a * (1.0 - n * n)
+        dn_h = dn * r
+        dr = dn_h * tl.load(hn + p_row + rj[None, :], mask=m, other=0.0).to(acc_dtype) * (1.0 - r)
+        # the matmul reads the gate gradients rounded as the saved ones, like the reference
+        dr, dz, dn_h = dr.to(dt), dz.to(dt), dn_h.to(dt)
+        if pid_k == 0:
+            tl.store(dgates + p_row3 + rj[None, :], dr, mask=m)
+            tl.store(dgates + p_row3 + H + rj[None, :], dz, mask=m)
+            tl.store(dgates + p_row3 + 2 * H + rj[None, :], dn_h, mask=m)
+            tl.store(dn_in + p_row + rj[None, :], dn.to(dt), mask=m)
+        mw = mj[:, None] & mk[None, :]
+        acc = _dot(dr, tl.load(p_w + rj[:, None] * H, mask=mw, other=0.0), acc, PRECISION)
+        acc = _dot(dz, tl.load(p_w + (H + rj)[:, None] * H, mask=mw, other=0.0), acc, PRECISION)
+        acc = _dot(dn_h, tl.load(p_w + (2 * H + rj)[:, None] * H, mask=mw, other=0.0), acc, PRECISION)
+
+    m = mb[:, None] & mk[None, :]
+    dh = tl.load(carry_in + p_carry + rk[None, :], mask=m, other=0.0).to(acc_dtype)
+    dh += tl.load(grad_out + p_row + rk[None, :], mask=m, other=0.0).to(acc_dtype)
+    z = tl.load(gates + p_row3 + H + rk[None, :], mask=m, other=0.0).to(acc_dtype)
+    tl.store(carry_out + p_carry + rk[None, :], (acc + dh * z).to(carry_out.dtype.element_ty), mask=m)
+
+
+def _precision(t: Tensor) -> str:
+    """How ``tl.dot`` multiplies tiles of ``t``'s dtype: exactly for float32 (no TF32, as torch's
+    default), natively for half precision, and by broadcast-and-sum for float64. CPU tensors only reach
+    Triton under its interpreter, whose bfloat16 ``tl.dot`` returns garbage (Triton 3.9): there bfloat16
+    tiles are multiplied in float32, which gives the same products."""
+    if t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        return "upcast"
+    return {torch.float64: "fp64", torch.float32: "ieee"}.get(t.dtype, "native")
+
+
+def _temporaries(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
+    """Uninitialised temporaries: from the reused CPU workspace for CPU tensors (the interpreter), from
+    torch's caching allocator on GPUs (which already reuses memory, without keeping it)."""
+    if like.device.type == "cpu":
+        return scratch(like, *shapes)
+    return [like.new_empty(shape) for shape in shapes]
+
+
+def _block(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+def gru_fwd_triton(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`tandem.ops.gru.reference.gru_fwd_ref` with the time loop in Triton (same outputs)."""
+    d_, batch, hid = h0.shape
+    (xs,) = _temporaries(x, (d_ if d_ == 2 else 0, x.shape[0], x.shape[1]))
+    steps, gates, y, states, hn = gru_fwd_prologue(x, batch_sizes, h0, w_ih, b_ih, b_hh, xs)
+    h0 = h0.contiguous()
+    w_hh = w_hh.contiguous()
+    b_hn = b_hh[:, 2 * hid :].contiguous() if b_hh is not None else w_hh
+    total = x.shape[0]
+    block_b, block_h = _block(batch, 16, 32), _block(hid, 16, 64)
+    meta = dict(
+        H=hid,
+        HAS_BIAS=b_hh is not None,
+        PRECISION=_precision(x),
+        BLOCK_B=block_b,
+        BLOCK_H=block_h,
+        BLOCK_K=_block(hid, 16, 32),
+        num_warps=_NUM_WARPS,
+    )
+    prev, stride_prev, prev_row0 = h0, batch * hid, 0
+    for s, n in enumerate(steps.sizes):
+        grid = (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_h))
+        row0 = steps.offsets[s]
+        _gru_fwd_step[grid](
+            gates, hn, states, prev, stride_prev, prev_row0, w_hh, b_hn, row0, n, total, **meta
+        )
+        prev, stride_prev, prev_row0 = states, total * hid, row0
+    return gru_fwd_epilogue(steps, y, gates, hn, states)
+
+
+def gru_bwd_triton(
+    dy: Tensor | None,
+    dh_n: Tensor | None,
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    y: Tensor,
+    gates: Tensor,
+    hn: Tensor,
+    states: Tensor,
+    has_bias: bool,
+    need_dx: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`tandem.ops.gru.reference.gru_bwd_ref` with the time loop in Triton (same outputs)."""
+    d_, batch, hid = h0.shape
+    total = x.shape[0]
+    two = d_ == 2
+    dgates, dn_in, grad_steps, xs, h_prev = _temporaries(
+        x,
+        (d_, total, 3 * hid),
+        (d_, total, hid),
+        (d_ if two else 0, total, hid),
+        (d_ if two else 0, total, x.shape[1]),
+        (d_, total, hid),
+    )
+    steps, states, grad_out, dh_n = gru_bwd_prologue(dy, dh_n, x, batch_sizes, h0, y, states, grad_steps)
+    grad_out = grad_out.contiguous()
+    w_hh = w_hh.contiguous()
+    carry_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    carry = [dh_n.to(carry_dtype, copy=True).contiguous() for _ in range(2)]
+    block_b, block_k = _block(batch, 16, 32), _block(hid, 16, 64)
+    meta = dict(
+        H=hid,
+        PRECISION=_precision(x),
+        BLOCK_B=block_b,
+        BLOCK_J=_block(hid, 16, 32),
+        BLOCK_K=block_k,
+        num_warps=_NUM_WARPS,
+    )
+    for i, s in enumerate(range(len(steps.sizes) - 1, -1, -1)):
+        n = steps.sizes[s]
+        grid = (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_k))
+        src, dst = carry[i % 2], carry[(i + 1) % 2]
+        _gru_bwd_step[grid](
+            src, dst, grad_out, gates, hn, states, w_hh, dgates, dn_in, steps.offsets[s], n, batch, total,
+            **meta,
+        )  # fmt: skip
+    dh0 = carry[len(steps.sizes) % 2].to(h0.dtype)
+    dx, dw_ih, dw_hh, db_ih, db_hh = gru_bwd_epilogue(
+        steps, x, h0, w_ih, states, dgates, dn_in, has_bias, need_dx, xs, h_prev
+    )
+    return dx, dh0, dw_ih, dw_hh, db_ih, db_hh

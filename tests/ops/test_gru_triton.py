@@ -1,0 +1,199 @@
+"""The Triton kernels of tandem::gru_fwd / gru_bwd against torch.nn.GRU (copied weights) and against the
+PyTorch kernel's saved buffers.
+
+The ``test_triton_kernel_*`` tests run where Triton kernels run: on CUDA with a GPU, and on CPU tensors
+under Triton's interpreter, which ``test_triton_kernels_under_interpreter`` starts in a fresh process
+(``TRITON_INTERPRET=1 TANDEM_FORCE_TRITON=1``). Shapes stay tiny: the interpreter runs every program
+instance of every launch in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import tandem
+from tandem import _backend
+from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref
+from triton_support import TRITON_DEVICE, needs_triton, run_under_interpreter
+
+
+@dataclass(frozen=True)
+class Case:
+    layers: int = 1
+    bidirectional: bool = True
+    bias: bool = True
+    packed: bool = False  # unsorted lengths, including 1 and the full length
+    hidden: int = 5
+    steps: int = 5
+    batch: int = 4
+
+    @property
+    def id(self) -> str:
+        parts = [f"L{self.layers}", "bi" if self.bidirectional else "uni"]
+        parts += [f"H{self.hidden}", f"T{self.steps}"]
+        return "-".join(parts + ["packed"] * self.packed + ["nobias"] * (not self.bias))
+
+
+CASES = [
+    Case(bidirectional=False),
+    Case(),
+    Case(packed=True),
+    Case(packed=True, bidirectional=False, hidden=20),
+    Case(layers=2, hidden=20, bias=False),
+    Case(steps=1, batch=3),
+    Case(hidden=17, batch=18, steps=3, packed=True),  # more than one block of rows and of columns
+]
+INPUT = 3
+
+
+def _lengths(case: Case) -> list[int]:
+    base = [case.steps, 1, max(1, case.steps // 2), max(1, case.steps - 1)]
+    return (base * case.batch)[: case.batch]
+
+
+def _run(module: torch.nn.Module, case: Case, x: torch.Tensor, h0: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Forward + backward of a fixed random loss; the outputs and every gradient, on the CPU in float64."""
+    x = x.detach().clone().requires_grad_()
+    h0 = h0.detach().clone().requires_grad_()
+    inp = pack_padded_sequence(x, _lengths(case), enforce_sorted=False) if case.packed else x
+    out, h_n = module(inp, h0)
+    out = out.data if case.packed else out
+    gen = torch.Generator().manual_seed(1)
+    w_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out)
+    w_h = torch.randn(h_n.shape, generator=gen, dtype=torch.float64).to(h_n)
+    ((out * w_out).sum() + (h_n * w_h).sum()).backward()
+    named = {"output": out, "h_n": h_n, "grad input": x.grad, "grad h0": h0.grad}
+    named |= {f"grad {n}": p.grad for n, p in module.named_parameters()}
+    return {k: v.detach().cpu().double() for k, v in named.items()}
+
+
+def _make(case: Case, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A float64 torch.nn.GRU, and an input and h0 for it."""
+    torch.manual_seed(0)
+    kwargs = dict(num_layers=case.layers, bias=case.bias, bidirectional=case.bidirectional)
+    ref = torch.nn.GRU(INPUT, case.hidden, dtype=torch.float64, **kwargs)
+    x = torch.randn(case.steps, case.batch, INPUT, dtype=torch.float64)
+    h0 = torch.randn(case.layers * (1 + case.bidirectional), case.batch, case.hidden, dtype=torch.float64)
+    return ref, x, h0
+
+
+def _results(ref: torch.nn.Module, module: torch.nn.Module, case: Case, x, h0, dtype):
+    """``(expected, got)``: float64 ``ref`` on the CPU, and ``module`` run in ``dtype`` on TRITON_DEVICE
+    with ``ref``'s weights."""
+    module = module.to(TRITON_DEVICE, dtype)
+    module.load_state_dict(ref.state_dict())
+    expected = _run(ref, case, x, h0)
+    got = _run(module, case, x.to(TRITON_DEVICE, dtype), h0.to(TRITON_DEVICE, dtype))
+    assert expected.keys() == got.keys()
+    return expected, got
+
+
+def _errors(ref: torch.nn.Module, module: torch.nn.Module, case: Case, x, h0, dtype) -> dict[str, float]:
+    expected, got = _results(ref, module, case, x, h0, dtype)
+    return {name: (got[name] - value).abs().max().item() for name, value in expected.items()}
+
+
+def _compare(case: Case, dtype: torch.dtype, atol: float, rtol: float) -> None:
+    ref, x, h0 = _make(case, dtype)
+    ours = tandem.nn.GRU(INPUT, case.hidden, case.layers, case.bias, bidirectional=case.bidirectional)
+    expected, got = _results(ref, ours, case, x, h0, dtype)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=name)
+
+
+def test_triton_kernels_under_interpreter():
+    run_under_interpreter(__file__)
+
+
+@needs_triton
+def test_triton_kernel_is_what_runs():
+    """The tests below would pass on the PyTorch kernel too: make sure they reach the Triton one."""
+    assert _backend.use_triton(torch.empty(0, device=TRITON_DEVICE))
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_triton_kernel_matches_torch_float64(case: Case):
+    _compare(case, torch.float64, atol=1e-10, rtol=1e-10)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES[:3], ids=[c.id for c in CASES[:3]])
+def test_triton_kernel_matches_torch_float32(case: Case):
+    _compare(case, torch.float32, atol=2e-5, rtol=2e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_kernel_half_precision_error_within_twice_torch_error(dtype: torch.dtype):
+    """Inputs, weights and outputs in half precision, math in fp32: our error against float64 is at most
+    twice that of torch.nn.GRU run in the same dtype on the same device."""
+    case = Case(packed=True, hidden=20)
+    ref, x, h0 = _make(case, dtype)
+    kwargs = dict(bidirectional=True)
+    ours = _errors(ref, tandem.nn.GRU(INPUT, case.hidden, **kwargs), case, x, h0, dtype)
+    theirs = _errors(ref, torch.nn.GRU(INPUT, case.hidden, **kwargs), case, x, h0, dtype)
+    for name, err in ours.items():
+        assert err <= 2 * theirs[name] + 1e-3, f"{name}: ours {err:.3g} vs torch {theirs[name]:.3g}"
+
+
+def _layer_inputs(batch_sizes: list[int], directions: int, hidden: int, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(2)
+    total, batch = sum(batch_sizes), batch_sizes[0]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype).to(TRITON_DEVICE)
+
+    return (
+        randn(total, INPUT),
+        torch.tensor(batch_sizes),
+        randn(directions, batch, hidden),
+        randn(directions, 3 * hidden, INPUT),
+        randn(directions, 3 * hidden, hidden),
+        randn(directions, 3 * hidden),
+        randn(directions, 3 * hidden),
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("directions", [1, 2], ids=["uni", "bi"])
+def test_triton_kernel_saved_buffers_equal_the_reference(directions: int):
+    """Same saved gates, W_hn h + b_hn and states as the PyTorch kernel: either backward reads either
+    forward's buffers."""
+    args = _layer_inputs([4, 4, 2, 1], directions, hidden=6)
+    got = torch.ops.tandem.gru_fwd(*args)
+    expected = gru_fwd_ref(*(a.cpu() for a in args))
+    for name, g, e in zip(("y", "h_n", "gates", "hn", "states"), got, expected):
+        torch.testing.assert_close(g.cpu(), e, atol=1e-12, rtol=1e-12, msg=name)
+
+
+@needs_triton
+@pytest.mark.parametrize("used", ["y", "h_n"])
+@pytest.mark.parametrize("need_dx", [True, False], ids=["dx", "no-dx"])
+def test_triton_kernel_backward_with_one_output_used(used: str, need_dx: bool):
+    """An unused output's gradient arrives as None; dx is skipped when not needed."""
+    x, bs, h0, w_ih, w_hh, b_ih, b_hh = _layer_inputs([3, 3, 1], 2, hidden=5)
+    y, h_n, gates, hn, states = torch.ops.tandem.gru_fwd(x, bs, h0, w_ih, w_hh, b_ih, b_hh)
+    grad = torch.randn_like(y) if used == "y" else torch.randn_like(h_n)
+    dy, dh_n = (grad, None) if used == "y" else (None, grad)
+    saved = (x, bs, h0, w_ih, w_hh, y, gates, hn, states, True, need_dx)
+    got = torch.ops.tandem.gru_bwd(dy, dh_n, *saved)
+    expected = gru_bwd_ref(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in (dy, dh_n, *saved)))
+    for name, g, e in zip(("dx", "dh0", "dw_ih", "dw_hh", "db_ih", "db_hh"), got, expected):
+        assert g.shape == e.shape, name
+        torch.testing.assert_close(g.cpu(), e, atol=1e-12, rtol=1e-12, msg=name)
+
+
+@needs_triton
+def test_triton_kernel_opcheck():
+    """The dispatcher registrations (fake, autograd, schema) hold for the Triton kernels too."""
+    args = _layer_inputs([3, 2, 2], 2, hidden=4)
+    torch.library.opcheck(torch.ops.tandem.gru_fwd.default, args)
+    x, bs, h0, w_ih, w_hh, _, _ = args
+    y, h_n, gates, hn, states = torch.ops.tandem.gru_fwd(*args)
+    bwd_args = (torch.randn_like(y), torch.randn_like(h_n), x, bs, h0, w_ih, w_hh, y, gates, hn, states)
+    torch.library.opcheck(torch.ops.tandem.gru_bwd.default, (*bwd_args, True, True))
