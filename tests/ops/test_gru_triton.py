@@ -197,3 +197,21 @@ def test_triton_kernel_opcheck():
     y, h_n, gates, hn, states = torch.ops.tandem.gru_fwd(*args)
     bwd_args = (torch.randn_like(y), torch.randn_like(h_n), x, bs, h0, w_ih, w_hh, y, gates, hn, states)
     torch.library.opcheck(torch.ops.tandem.gru_bwd.default, (*bwd_args, True, True))
+
+
+@needs_triton
+def test_triton_kernel_runs_in_the_autocast_dtype():
+    """Under autocast the layers run in its dtype (as cuDNN's RNNs do), the gradients reach the float32
+    parameters in float32, and the result is within half-precision error of float64."""
+    case = Case(packed=True, hidden=20)
+    ref, x, h0 = _make(case, torch.float32)
+    ours = tandem.nn.GRU(INPUT, case.hidden, bidirectional=True).to(TRITON_DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    expected = _run(ref, case, x, h0)
+    with torch.autocast(TRITON_DEVICE, dtype=torch.bfloat16):
+        out, h_n = ours(x.to(TRITON_DEVICE, torch.float32), h0.to(TRITON_DEVICE, torch.float32))
+        assert out.dtype == h_n.dtype == torch.bfloat16
+        got = _run(ours, case, x.to(TRITON_DEVICE, torch.float32), h0.to(TRITON_DEVICE, torch.float32))
+    assert all(p.grad.dtype == torch.float32 for p in ours.parameters())
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=0.1, rtol=0.1, msg=name)

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
+from tandem._backend import use_triton
+
 __all__ = ["Rows", "RNNLayers"]
 
 
@@ -29,8 +31,11 @@ class Rows:
 class RNNLayers(torch.nn.RNNBase):
     """``torch.nn.RNNBase`` plus the plumbing of a packed-rows RNN module; subclasses own the hidden state."""
 
-    def _layer_weights(self, layer: int, names: tuple[str, ...]) -> tuple[Tensor | None, ...]:
-        """The layer's parameters ``names`` stacked over directions (``[D, ...]``), None where absent."""
+    def _layer_weights(
+        self, layer: int, names: tuple[str, ...], dtype: torch.dtype | None = None
+    ) -> tuple[Tensor | None, ...]:
+        """The layer's parameters ``names`` stacked over directions (``[D, ...]``), None where absent;
+        cast to ``dtype`` if given (autocast: the gradients flow back to the parameters' dtype)."""
         suffixes = ("", "_reverse") if self.bidirectional else ("",)
         stacked: list[Tensor | None] = []
         for name in names:
@@ -39,10 +44,23 @@ class RNNLayers(torch.nn.RNNBase):
                 continue
             # getattr each call, so torch.func.functional_call and reassigned parameters are honoured
             per_direction = [getattr(self, f"{name}_l{layer}{s}") for s in suffixes]
-            stacked.append(
-                per_direction[0].unsqueeze(0) if len(suffixes) == 1 else torch.stack(per_direction)
-            )
+            weight = per_direction[0].unsqueeze(0) if len(suffixes) == 1 else torch.stack(per_direction)
+            stacked.append(weight if dtype is None else weight.to(dtype))
         return tuple(stacked)
+
+    @staticmethod
+    def _autocast_dtype(data: Tensor) -> torch.dtype | None:
+        """The dtype the layers run in under autocast, or None for the input's own dtype.
+
+        Where tandem runs its Triton kernels (CUDA), autocast makes the layers run in its dtype, as it
+        does cuDNN's RNNs: float32 input, states and parameters are cast on the way in and the
+        gradients flow back in float32. The plain-PyTorch CPU kernel stays in float32, as
+        torch.nn.GRU's output does under CPU autocast. Inputs other than float32 are never cast.
+        """
+        device = data.device.type
+        if data.dtype != torch.float32 or not use_triton(data) or not torch.is_autocast_enabled(device):
+            return None
+        return torch.get_autocast_dtype(device)
 
     def _take_input(self, input: Tensor | PackedSequence) -> Rows:
         """Unpack a PackedSequence, or check a padded input's dims and unsqueeze an unbatched one."""

@@ -87,12 +87,15 @@ class GRU(RNNLayers):
         self.check_forward_args(rows.checked, hx, rows.batch_sizes if rows.packed else None)
         self._check_devices_and_dtypes(rows.data, {"hx": hx})
         self._to_rows(rows)
+        dtype = self._autocast_dtype(rows.data)
+        if dtype is not None:
+            rows.data, hx = rows.data.to(dtype), hx.to(dtype)
 
         h_n = []
         layer_input = rows.data
         for layer in range(self.num_layers):
             h0 = hx[layer * num_directions : (layer + 1) * num_directions]
-            weights = self._layer_weights(layer, ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
+            weights = self._layer_weights(layer, ("weight_ih", "weight_hh", "bias_ih", "bias_hh"), dtype)
             layer_input, h_last = gru_layer(layer_input, rows.batch_sizes, h0, *weights)
             h_n.append(h_last)
             layer_input = self._dropout(layer_input, layer)

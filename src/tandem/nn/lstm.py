@@ -118,14 +118,18 @@ class LSTM(RNNLayers):
         self.check_forward_args(rows.checked, hx, rows.batch_sizes if rows.packed else None)
         self._check_devices_and_dtypes(rows.data, {"hx": hx[0], "cx": hx[1]})
         self._to_rows(rows)
+        dtype = self._autocast_dtype(rows.data)
+        if dtype is not None:
+            rows.data, hx = rows.data.to(dtype), (hx[0].to(dtype), hx[1].to(dtype))
 
         h_n, c_n = [], []
         layer_input = rows.data
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
         for layer in range(self.num_layers):
             span = slice(layer * num_directions, (layer + 1) * num_directions)
+            weights = self._layer_weights(layer, names, dtype)
             layer_input, h_last, c_last = lstm_layer(
-                layer_input, rows.batch_sizes, hx[0][span], hx[1][span], *self._layer_weights(layer, names)
+                layer_input, rows.batch_sizes, hx[0][span], hx[1][span], *weights
             )
             h_n.append(h_last)
             c_n.append(c_last)
