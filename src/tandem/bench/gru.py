@@ -17,19 +17,26 @@ from tandem.bench.registry import OpBench, Shape, register
 
 __all__ = ["GRU_BENCH"]
 
+# The GPU grid (shapes of the Triton kernels' issue): float32 and bfloat16, uni- and bidirectional.
+_GPU_SIZES = ((1024, 16, 768, 768), (100, 32, 512, 512), (200, 64, 1024, 1024))  # T, B, I, H
 
-def _shape(steps, batch, inp, hid, layers=1, bi=False, packed=False, quick=False, devices=("cpu",)) -> Shape:
+
+def _shape(
+    steps, batch, inp, hid, layers=1, bi=False, packed=False, quick=False, devices=("cpu",), dtype="float32"
+) -> Shape:
     name = f"T{steps}-B{batch}-I{inp}-H{hid}" + (f"-L{layers}" if layers > 1 else "")
     name += "-bi" if bi else "-uni"
     name += "-packed" if packed else ""
-    params = dict(T=steps, B=batch, I=inp, H=hid, L=layers, bi=bi, packed=packed)
+    name += "" if dtype == "float32" else f"-{dtype}"
+    params = dict(T=steps, B=batch, I=inp, H=hid, L=layers, bi=bi, packed=packed, dtype=dtype)
     return Shape(name, params, quick=quick, devices=devices)
 
 
 def _provider(cls: type[torch.nn.Module]):
     def factory(p: dict[str, Any], device: torch.device, mode: str):
-        model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device)
-        x = torch.randn(p["T"], p["B"], p["I"], device=device)
+        dtype = getattr(torch, p["dtype"])
+        model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device, dtype=dtype)
+        x = torch.randn(p["T"], p["B"], p["I"], device=device, dtype=dtype)
         if p["packed"]:
             lengths = torch.linspace(p["T"], p["T"] // 2, p["B"]).round().long()
             packed = pack_padded_sequence(x, lengths)
@@ -63,6 +70,12 @@ GRU_BENCH = register(
             _shape(200, 64, 256, 512),
             _shape(100, 32, 80, 256, bi=True),
             _shape(100, 32, 80, 256, bi=True, packed=True),
+            *(
+                _shape(t, b, i, h, bi=bi, dtype=dtype, devices=("cuda",), quick=b == 32 and not bi)
+                for t, b, i, h in _GPU_SIZES
+                for bi in (False, True)
+                for dtype in ("float32", "bfloat16")
+            ),
         ),
         modes=("train", "fwd"),
         description="tandem.nn.GRU vs torch.nn.GRU: training step (fwd + bwd incl. dx) and no-grad forward",

@@ -18,18 +18,25 @@ from tandem.bench.registry import OpBench, Shape, register
 
 __all__ = ["LSTM_BENCH"]
 
+# The GPU grid (shapes of the Triton kernels' issue): float32 and float16, uni- and bidirectional.
+_GPU_SIZES = ((1024, 16, 768, 768), (100, 32, 512, 512), (200, 64, 1024, 1024))  # T, B, I, H
 
-def _shape(steps, batch, inp, hid, layers=1, bi=False, quick=False, devices=("cpu",)) -> Shape:
+
+def _shape(
+    steps, batch, inp, hid, layers=1, bi=False, quick=False, devices=("cpu",), dtype="float32"
+) -> Shape:
     name = f"T{steps}-B{batch}-I{inp}-H{hid}" + (f"-L{layers}" if layers > 1 else "")
     name += "-bi" if bi else "-uni"
-    params = dict(T=steps, B=batch, I=inp, H=hid, L=layers, bi=bi)
+    name += "" if dtype == "float32" else f"-{dtype}"
+    params = dict(T=steps, B=batch, I=inp, H=hid, L=layers, bi=bi, dtype=dtype)
     return Shape(name, params, quick=quick, devices=devices)
 
 
 def _provider(cls: type[torch.nn.Module], mkldnn: bool = True):
     def factory(p: dict[str, Any], device: torch.device, mode: str):
-        model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device)
-        x = torch.randn(p["T"], p["B"], p["I"], device=device).requires_grad_(mode == "train")
+        dtype = getattr(torch, p["dtype"])
+        model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device, dtype=dtype)
+        x = torch.randn(p["T"], p["B"], p["I"], device=device, dtype=dtype).requires_grad_(mode == "train")
 
         def train() -> None:
             out, (h_n, c_n) = model(x)
@@ -64,6 +71,12 @@ LSTM_BENCH = register(
             _shape(50, 32, 128, 256, quick=True),
             _shape(50, 32, 128, 256, bi=True, quick=True),
             _shape(100, 16, 64, 128, layers=2, bi=True),
+            *(
+                _shape(t, b, i, h, bi=bi, dtype=dtype, devices=("cuda",), quick=b == 32 and not bi)
+                for t, b, i, h in _GPU_SIZES
+                for bi in (False, True)
+                for dtype in ("float32", "float16")
+            ),
         ),
         modes=("train", "fwd"),
         description=(
