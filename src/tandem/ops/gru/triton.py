@@ -24,6 +24,9 @@ the loop. The carried gradient lives in two fp32 ``[D, B, H]`` buffers used in t
 every column of its rows while others write theirs, so one buffer would race); both start as ``dh_n``,
 which is right for the sequences that join at a step: those rows were never written.
 
+Float32 tiles are multiplied in TF32 on GPUs when ``torch.backends.cudnn.allow_tf32`` is set, as
+torch.nn.GRU's cuDNN kernels are, and exactly otherwise.
+
 Not yet done (no GPU was available to measure them): capturing the per-step launches in a CUDA graph
 or a persistent kernel for the hidden sizes whose weights fit on chip, and any tuning of the block
 sizes. Float64 tiles use an exact broadcast-and-sum product instead of ``tl.dot``.
@@ -56,6 +59,8 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
         return acc + tl.sum(a[:, :, None] * b[None, :, :], 1)
     elif PRECISION == "ieee":
         return tl.dot(a, b, acc, input_precision="ieee")
+    elif PRECISION == "tf32":
+        return tl.dot(a, b, acc, input_precision="tf32")
     elif PRECISION == "upcast":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -191,13 +196,16 @@ def _gru_bwd_step(
 
 
 def _precision(t: Tensor) -> str:
-    """How ``tl.dot`` multiplies tiles of ``t``'s dtype: exactly for float32 (no TF32, as torch's
-    default), natively for half precision, and by broadcast-and-sum for float64. CPU tensors only reach
-    Triton under its interpreter, whose bfloat16 ``tl.dot`` returns garbage (Triton 3.9): there bfloat16
-    tiles are multiplied in float32, which gives the same products."""
+    """How ``tl.dot`` multiplies tiles of ``t``'s dtype. Float32: TF32 on GPUs when
+    ``torch.backends.cudnn.allow_tf32`` (the flag that lets torch.nn.GRU's cuDNN kernels use TF32,
+    on by default), else exactly. Half precision natively; float64 by broadcast-and-sum. CPU tensors
+    only reach Triton under its interpreter, whose bfloat16 ``tl.dot`` returns garbage (Triton 3.9):
+    there bfloat16 tiles are multiplied in float32, which gives the same products."""
+    if t.dtype == torch.float32:
+        return "tf32" if t.is_cuda and torch.backends.cudnn.allow_tf32 else "ieee"
     if t.dtype == torch.bfloat16 and t.device.type == "cpu":
         return "upcast"
-    return {torch.float64: "fp64", torch.float32: "ieee"}.get(t.dtype, "native")
+    return "fp64" if t.dtype == torch.float64 else "native"
 
 
 def _temporaries(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
