@@ -3,6 +3,11 @@
 The forward returns the saved activations as extra outputs (custom ops see only their inputs and
 outputs in ``setup_context``); they are marked non-differentiable, and unused outputs get ``None``
 gradients instead of materialised zeros.
+
+Kernels: CUDA tensors run the Triton launchers of :mod:`tandem.ops.lstm.triton` (registered for "cuda"
+when Triton imports); the default (CPU) implementation runs the reference, or the Triton launchers when
+:func:`tandem._backend.use_triton` says so (``TANDEM_FORCE_TRITON=1``, how CI runs them under Triton's
+interpreter). Triton is imported only when a launcher runs: it is an optional extra.
 """
 
 # No ``from __future__ import annotations`` here: torch 2.4's custom_op reads the annotations at
@@ -11,6 +16,7 @@ gradients instead of materialised zeros.
 import torch
 from torch import Tensor
 
+from tandem._backend import triton_available, use_triton
 from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref
 
 __all__ = ["lstm_fwd", "lstm_bwd"]
@@ -31,7 +37,10 @@ def lstm_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(y, h_n, c_n, gates, cells, hr, states)`` of one LSTM layer; see :func:`lstm_fwd_ref`.
     The last four (what the backward needs) are empty unless ``need_saved``."""
-    return lstm_fwd_ref(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved)
+    kernel = lstm_fwd_ref
+    if use_triton(x):
+        from tandem.ops.lstm.triton import lstm_fwd_triton as kernel
+    return kernel(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved)
 
 
 @lstm_fwd.register_fake
@@ -77,7 +86,10 @@ def lstm_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr)``; empty bias gradients without bias, empty
     ``dw_hr`` without projection, empty dx unless ``need_dx``."""
-    return lstm_bwd_ref(
+    kernel = lstm_bwd_ref
+    if use_triton(x):
+        from tandem.ops.lstm.triton import lstm_bwd_triton as kernel
+    return kernel(
         dy,
         dh_n,
         dc_n,
@@ -177,3 +189,17 @@ def _backward(ctx, dy, dh_n, dc_n, *_):
 
 
 lstm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+if triton_available():
+    # The launchers take the ops' own parameters, so the dispatcher's arguments pass straight through.
+    @lstm_fwd.register_kernel("cuda")
+    def _lstm_fwd_cuda(*args, **kwargs):
+        from tandem.ops.lstm.triton import lstm_fwd_triton
+
+        return lstm_fwd_triton(*args, **kwargs)
+
+    @lstm_bwd.register_kernel("cuda")
+    def _lstm_bwd_cuda(*args, **kwargs):
+        from tandem.ops.lstm.triton import lstm_bwd_triton
+
+        return lstm_bwd_triton(*args, **kwargs)

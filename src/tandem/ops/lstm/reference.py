@@ -21,9 +21,15 @@ The backward re-derives tanh(c) from C for all steps at once (three vectorised o
 another ``[D, P, H]`` buffer alive between forward and backward; nothing of the recurrence is re-run.
 Per step, each direction costs one batched matmul with W_hh plus a few in-place elementwise ops; the
 weight, bias and input gradients are large batched matmuls after the loop.
+
+The work before and after the time loops (:func:`fwd_prologue`, :func:`fwd_epilogue`,
+:func:`dy_by_direction`, :func:`param_grads`) is shared with the Triton kernels of
+:mod:`tandem.ops.lstm.triton`, which replace only the loops: both fill the same saved buffers.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -54,6 +60,148 @@ def _last(t: Tensor, steps: PackedSteps, batch: int) -> Tensor:
     return t[:, t.shape[1] - batch :].clone() if steps.uniform else t.index_select(1, steps.last_rows)
 
 
+class FwdBuffers(NamedTuple):
+    """What :func:`fwd_prologue` hands to the time loop of either kernel (CPU or Triton)."""
+
+    steps: PackedSteps
+    scale: Tensor  # [4H, 1]: 2 on the g rows
+    y: Tensor  # [P, D*R], time-packed
+    gates: Tensor  # [D, P, 4H]: the (scaled) input projection with both biases; the loop overwrites it
+    cells: Tensor  # [D, P, H]: C = 2c
+    hr: Tensor  # [D, P, H]: o * tanh(c) with a projection; ``states`` itself without
+    states: Tensor  # [D, P, R]: every step's output, step-packed; with one direction a view of ``y``
+
+
+def fwd_prologue(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+    need_saved: bool,
+    reuse: bool = True,
+) -> FwdBuffers:
+    """Everything before the forward time loop: the step index arithmetic, the output and saved buffers,
+    and the input projection of every step and both directions written into ``gates``.
+
+    ``reuse`` takes the temporaries from the per-thread workspace (:mod:`tandem.ops._workspace`), which
+    the CPU kernel wants; without it every buffer is a fresh allocation.
+    """
+    d_, batch, hid = c0.shape
+    out_size = h0.shape[2]
+    total = x.shape[0]
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="lstm")
+    scale = _gate_scale(hid, x)
+
+    y = x.new_empty(total, d_ * out_size)  # y: [P, D*R], time-packed
+    shapes = [(d_, total, 4 * hid), (d_, total, hid)]  # gates, 2c
+    shapes += [(d_, total, hid)] * (w_hr is not None) + [(d_, total, out_size)] * (d_ == 2)  # hr, states
+    if reuse:
+        # Scratch: the reversed input rows, and when nothing is saved for a backward, every activation.
+        temps = scratch(x, *[(2, total, x.shape[1])] * (d_ == 2), *(shapes if not need_saved else ()))
+        xs_buf = [temps.pop(0)] if d_ == 2 else []
+        if need_saved:
+            temps = [x.new_empty(shape) for shape in shapes]
+    else:
+        xs_buf, temps = [], [x.new_empty(shape) for shape in shapes]
+    gates, cells = temps[:2]  # gates: [D, P, 4H]; 2c: [D, P, H]
+    hr = temps[2] if w_hr is not None else None  # o * tanh(c): [D, P, H]
+    states = temps[-1] if d_ == 2 else y.view(1, total, out_size)  # [D, P, R]
+    if hr is None:
+        hr = states
+
+    # Input projection of every step and both directions in one batched matmul, both biases folded in.
+    xs = _by_direction(x, steps, d_, *xs_buf)  # [D, P, I]
+    w_in = (w_ih * scale).transpose(1, 2)  # [D, I, 4H]
+    if b_ih is not None:
+        torch.baddbmm(((b_ih + b_hh) * scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
+    else:
+        torch.bmm(xs, w_in, out=gates)
+    return FwdBuffers(steps, scale, y, gates, cells, hr, states)
+
+
+def fwd_epilogue(
+    fwd: FwdBuffers, batch: int, need_saved: bool, has_proj: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Everything after the forward time loop: ``(y, h_n, c_n, gates, cells, hr, states)``."""
+    y, steps, states, cells = fwd.y, fwd.steps, fwd.states, fwd.cells
+    d_, out_size = states.shape[0], states.shape[2]
+    if d_ == 2:
+        y[:, :out_size].copy_(states[0])
+        y[:, out_size:].copy_(states[1].index_select(0, steps.rev_rows))
+    h_n, c_n = _last(states, steps, batch), _last(cells, steps, batch).mul_(0.5)
+    if not need_saved:
+        return (y, h_n, c_n, *(y.new_empty(0) for _ in range(4)))
+    empty = y.new_empty(0)
+    return (
+        y,
+        h_n,
+        c_n,
+        fwd.gates,
+        cells,
+        fwd.hr if has_proj else empty,
+        states if d_ == 2 else empty.clone(),
+    )
+
+
+def dy_by_direction(dy: Tensor | None, steps: PackedSteps, out: Tensor) -> Tensor:
+    """``out`` ``[D, P, R]`` <- the output gradient ``dy`` ``[P, D*R]`` in each direction's step-packed
+    order (zeros when ``dy`` is None)."""
+    if dy is None:
+        return out.zero_()
+    out_size = out.shape[2]
+    out[0].copy_(dy[:, :out_size])
+    if out.shape[0] == 2:
+        torch.index_select(dy[:, out_size:], 0, steps.rev_rows, out=out[1])
+    return out
+
+
+def param_grads(
+    dz: Tensor,
+    grad_h: Tensor | None,
+    x: Tensor,
+    h0: Tensor,
+    states: Tensor,
+    hr: Tensor,
+    w_ih: Tensor,
+    w_hr: Tensor | None,
+    steps: PackedSteps,
+    scale: Tensor,
+    has_bias: bool,
+    need_dx: bool,
+    xs_buf: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Everything after the backward time loop, as large batched matmuls: ``(dx, dw_ih, dw_hh, db_ih,
+    db_hh, dw_hr)`` from the gate gradients ``dz`` ``[D, P, 4H]`` (of the scaled pre-activations) and,
+    with a projection, the full output-state gradients ``grad_h`` ``[D, P, R]``."""
+    d_, total, _ = dz.shape
+    batch = h0.shape[1]
+    dz_t = dz.transpose(1, 2)  # [D, 4H, P]
+    if steps.uniform:
+        dw_hh = torch.bmm(dz_t[..., :batch], h0)
+        dw_hh.baddbmm_(dz_t[..., batch:], states[:, : total - batch])
+    else:
+        dw_hh = torch.bmm(dz_t, torch.cat([h0, states], 1).index_select(1, steps.prev_rows))
+    dw_hh.mul_(scale)
+    xs = _by_direction(x, steps, d_, *([xs_buf] if xs_buf is not None else []))
+    dw_ih = torch.bmm(dz_t, xs).mul_(scale)
+    if need_dx:
+        dxs = torch.bmm(dz, w_ih * scale)  # [D, P, I]
+        dx = dxs[0] if d_ == 1 else dxs[0].index_add_(0, steps.rev_rows, dxs[1])
+    else:
+        dx = x.new_empty(0)
+    if has_bias:
+        db_ih = dz.sum(1).mul_(scale.squeeze(1))
+        db_hh = db_ih.clone()
+    else:
+        db_ih, db_hh = x.new_empty(0), x.new_empty(0)
+    dw_hr = torch.bmm(grad_h.transpose(1, 2), hr) if w_hr is not None else x.new_empty(0)
+    return dx, dw_ih, dw_hh, db_ih, db_hh, dw_hr
+
+
 def lstm_fwd_ref(
     x: Tensor,
     batch_sizes: Tensor,
@@ -76,34 +224,9 @@ def lstm_fwd_ref(
     empty with one direction, where it is ``y`` itself). Without ``need_saved`` (no gradient will be
     asked for) all four are empty and their memory is scratch reused from call to call.
     """
-    d_, batch, hid = c0.shape
-    out_size = h0.shape[2]
-    total = x.shape[0]
-    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="lstm")
-    scale = _gate_scale(hid, x)
-
-    y = x.new_empty(total, d_ * out_size)  # y: [P, D*R], time-packed
-    # Scratch: the reversed input rows, and when nothing is saved for a backward, every activation.
-    shapes = [(d_, total, 4 * hid), (d_, total, hid)]  # gates, 2c
-    shapes += [(d_, total, hid)] * (w_hr is not None) + [(d_, total, out_size)] * (d_ == 2)  # hr, states
-    temps = scratch(x, *[(2, total, x.shape[1])] * (d_ == 2), *(shapes if not need_saved else ()))
-    xs_buf = [temps.pop(0)] if d_ == 2 else []
-    if need_saved:
-        temps = [x.new_empty(shape) for shape in shapes]
-    gates, cells = temps[:2]  # gates: [D, P, 4H]; 2c: [D, P, H]
-    hr = temps[2] if w_hr is not None else None  # o * tanh(c): [D, P, H]
-    states = temps[-1] if d_ == 2 else y.view(1, total, out_size)  # [D, P, R]
-    if hr is None:
-        hr = states
-
-    # Input projection of every step and both directions in one batched matmul, both biases folded in.
-    xs = _by_direction(x, steps, d_, *xs_buf)  # [D, P, I]
-    w_in = (w_ih * scale).transpose(1, 2)  # [D, I, 4H]
-    if b_ih is not None:
-        torch.baddbmm(((b_ih + b_hh) * scale.squeeze(1)).unsqueeze(1), xs, w_in, out=gates)
-    else:
-        torch.bmm(xs, w_in, out=gates)
-    del xs
+    fwd = fwd_prologue(x, batch_sizes, h0, c0, w_ih, b_ih, b_hh, w_hr, need_saved)
+    steps, scale, gates, cells, hr, states = fwd.steps, fwd.scale, fwd.gates, fwd.cells, fwd.hr, fwd.states
+    hid = c0.shape[2]
 
     w_hh_t = (w_hh * scale).transpose(1, 2)  # [D, R, 4H]
     w_hr_t = w_hr.transpose(1, 2) if w_hr is not None else None  # [D, H, R]
@@ -122,22 +245,7 @@ def lstm_fwd_ref(
         if w_hr_t is not None:
             torch.bmm(hr_out[s], w_hr_t, out=h_out[s])
 
-    if d_ == 2:
-        y[:, :out_size].copy_(states[0])
-        y[:, out_size:].copy_(states[1].index_select(0, steps.rev_rows))
-    h_n, c_n = _last(states, steps, batch), _last(cells, steps, batch).mul_(0.5)
-    if not need_saved:
-        return (y, h_n, c_n, *(x.new_empty(0) for _ in range(4)))
-    empty = x.new_empty(0)
-    return (
-        y,
-        h_n,
-        c_n,
-        gates,
-        cells,
-        hr if w_hr is not None else empty,
-        states if d_ == 2 else empty.clone(),
-    )
+    return fwd_epilogue(fwd, c0.shape[1], need_saved, w_hr is not None)
 
 
 def lstm_bwd_ref(
@@ -189,12 +297,7 @@ def lstm_bwd_ref(
         (d_, total, hid),
         *[(2, total, inp)] * (d_ - 1),
     )
-    if dy is None:
-        grad_h.zero_()
-    else:
-        grad_h[0].copy_(dy[:, :out_size])
-        if d_ == 2:
-            torch.index_select(dy[:, out_size:], 0, steps.rev_rows, out=grad_h[1])
+    dy_by_direction(dy, steps, out=grad_h)
     grad_c.zero_()
     for grad, last, alpha in ((grad_h, dh_n, 1.0), (grad_c, dc_n, 0.5)):
         if last is None:
@@ -243,24 +346,7 @@ def lstm_bwd_ref(
     dh0 = torch.bmm(dz_s[0], w_hh_s)
     dc0 = torch.mul(g_c[0], g_f[0]).mul_(2.0)
 
-    dz_t = dz.transpose(1, 2)  # [D, 4H, P]
-    if steps.uniform:
-        dw_hh = torch.bmm(dz_t[..., :batch], h0)
-        dw_hh.baddbmm_(dz_t[..., batch:], states[:, : total - batch])
-    else:
-        dw_hh = torch.bmm(dz_t, torch.cat([h0, states], 1).index_select(1, steps.prev_rows))
-    dw_hh.mul_(scale)
-    xs = _by_direction(x, steps, d_, *xs_buf)
-    dw_ih = torch.bmm(dz_t, xs).mul_(scale)
-    if need_dx:
-        dxs = torch.bmm(dz, w_ih * scale)  # [D, P, I]
-        dx = dxs[0] if d_ == 1 else dxs[0].index_add_(0, steps.rev_rows, dxs[1])
-    else:
-        dx = x.new_empty(0)
-    if has_bias:
-        db_ih = dz.sum(1).mul_(scale.squeeze(1))
-        db_hh = db_ih.clone()
-    else:
-        db_ih, db_hh = x.new_empty(0), x.new_empty(0)
-    dw_hr = torch.bmm(grad_h.transpose(1, 2), hr) if w_hr is not None else x.new_empty(0)
+    dx, dw_ih, dw_hh, db_ih, db_hh, dw_hr = param_grads(
+        dz, grad_h, x, h0, states, hr, w_ih, w_hr, steps, scale, has_bias, need_dx, *xs_buf
+    )
     return dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr

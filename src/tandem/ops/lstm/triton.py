@@ -1,0 +1,406 @@
+"""Triton kernels of ``tandem::lstm_fwd`` / ``tandem::lstm_bwd``: fused time steps, both directions and
+every active sequence of the batch in one launch per step.
+
+Only the two time loops of :mod:`tandem.ops.lstm.reference` are replaced; the work before and after them
+(the input projection of all steps and both directions as one batched matmul, the output copies, h_n /
+c_n, and dW_ih, dW_hh, the biases' and dx's gradients as large batched matmuls) is the reference's own
+code (:func:`~tandem.ops.lstm.reference.fwd_prologue` and friends), and the saved buffers have the same
+shapes and meaning: (i, f, sigmoid(2 a_g), o), C = 2c, o * tanh(c) and the reverse direction's states,
+step-packed and direction-major, so the Triton forward's buffers compare with the reference's directly.
+
+Forward, one launch per step s, grid ``(D, cdiv(sizes[s], BLOCK_B), cdiv(H, BLOCK_H))``: program
+``(d, b-block, j-block)`` accumulates ``h_prev @ W_hh[d]^T`` for its columns of the four gates over a loop
+on ``R`` (``tl.dot``, float32 accumulation; IEEE float32 products, not TF32, so that float32 matches
+torch), adds the input projection read from the gates buffer, applies the gate nonlinearities and the
+cell update, and writes the activations (in place over the projection), C and ``o * tanh(c)``. ``h_prev``
+and ``C_prev`` are read at row offsets into ``h0`` / ``2 c0`` (step 0) or the step-packed ``states`` /
+``cells`` buffers (later steps): the host only passes offsets, it never slices in the loop. Only the first
+``sizes[s]`` sequences exist at step s, and the step-packed layout already makes the reverse direction's
+step s of sequence b its frame ``len_b - 1 - s``, so padding costs nothing. With a projection
+(proj_size), ``h = (o * tanh(c)) @ W_hr^T`` is one ``torch.bmm`` per step on the step's rows, both
+directions at once: fusing it would need all H columns of a row in one program, while the kernel splits
+them over j-blocks.
+
+Backward, one launch per step in reverse, grid ``(D, cdiv(sizes[s], BLOCK_B), cdiv(R, BLOCK_R))``:
+program ``(d, b-block, r-block)`` walks the H columns in blocks, recomputes the gate gradients of its rows
+elementwise from the saved activations (cheap, and no ``[D, P, 4H]`` of local derivatives is built), and
+accumulates ``dz @ W_hh[d][:, r-block]`` into ``dh_prev`` with ``tl.dot``; the programs of r-block 0 also
+store ``dz`` (into the ``[D, P, 4H]`` buffer the post-loop matmuls read) and ``dc_prev = dc * f``. The
+carries dL/dh and dL/dc live in two ping-pong ``[D, B, .]`` buffers each (float32 for half inputs), both
+seeded with ``dh_n`` / ``dc_n``: a step reads one and writes the other, since programs of one launch read
+rows that others write. Rows of sequences that end at step s were never written and still hold their
+``dh_n``; rows below ``sizes[s+1]`` hold the carry of step s+1. After step 0 they are ``dh0`` and ``dc0``.
+The output gradient ``dy`` (step-packed) is added as dh is loaded. With a projection the host adds the
+carry to ``dy`` (that full dL/dh is kept for dW_hr) and maps it back with one ``torch.bmm`` per step.
+
+float32, float64, bfloat16 and float16 inputs; float32 math (float64 for float64) and accumulation,
+activations and gradients stored in the input dtype like the reference. Any B, H, I, R: tiles are masked.
+Under the interpreter (CPU tensors) bfloat16 matmuls take float32 operands (see :func:`_dot`); the GPU
+build multiplies bfloat16 on the tensor cores, which gives the same products.
+
+Not done yet: no CUDA-graph capture of the step loop and no persistent kernel (each step is one launch,
+plus one bmm per step with a projection); block sizes and pipeline stages are untuned; nothing here has
+been run or timed on a GPU yet. The kernels are tested with Triton's interpreter on the CPU
+(``TRITON_INTERPRET=1 TANDEM_FORCE_TRITON=1``), and the tests compile them ahead of time for sm_90 to check
+the matmul instructions and the shared memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from tandem.ops._packed import PackedSteps
+from tandem.ops.lstm.reference import _gate_scale, dy_by_direction, fwd_epilogue, fwd_prologue, param_grads
+
+__all__ = ["lstm_fwd_triton", "lstm_bwd_triton"]
+
+# Untuned starting points (no GPU timing yet): 4 float32 accumulators of 32 x 32 per program.
+_BLOCK_B_MAX = 32  # tl.dot needs >= 16 rows on GPUs, so small batches still take a 16-row tile
+_BLOCK_H = 32
+_BLOCK_R = 32
+# Two pipeline stages: three put the float64 backward at 208 KB of shared memory, past an A100's 163 KB
+# (the same on sm_80 and sm_90 builds; the tests check the sm_90 one). FMA contraction on, and said so:
+# Triton 3.10 turns its default off, and the fused form is the more accurate one.
+LAUNCH_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b``. "ieee": float32 inputs must not round to TF32 (the GPU default); no effect on the
+    other dtypes. ``UPCAST`` (bfloat16 under Triton's interpreter, which multiplies bfloat16 bit patterns
+    as integers, triton-lang/triton#11584): float32 operands, exact since bfloat16 products are."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "n"])
+def _lstm_fwd_kernel(
+    p_gates,  # [D, P, 4H] in: the step's input projection; out: (i, f, sigmoid(2 a_g), o)
+    p_cells,  # [D, P, H] out: C = 2c
+    p_h,  # [D, P, H] out: o * tanh(c) (``hr`` with a projection, ``states`` without)
+    p_hprev,  # [D, B, R] h0 at step 0, else ``states`` [D, P, R]
+    p_cprev,  # [D, B, H] 2 c0 at step 0, else ``cells`` [D, P, H]
+    p_w,  # [D, 4H, R] W_hh with the g rows doubled
+    o_row,  # first packed row of the step
+    o_prev,  # row of sequence 0's previous state in p_hprev / p_cprev
+    s_prev_d,  # rows per direction of p_hprev / p_cprev (B at step 0, P later)
+    n,  # active sequences at this step
+    P,
+    H,
+    R,
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,  # see _dot
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    i_d, i_b, i_j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_j = i_j * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_b = o_b < n
+    m_j = o_j < H
+    # Rows in int64 before they meet a width: D * P * 4H passes 2**31 on long batches.
+    r_row = (i_d * P + o_row + o_b).to(tl.int64)
+    r_prev = (i_d * s_prev_d + o_prev + o_b).to(tl.int64)
+    r_w = (i_d * 4 * H + o_j).to(tl.int64)  # W_hh rows of gate i; gate k is k * H rows further
+
+    b_zi = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
+    b_zf = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
+    b_zg = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
+    b_zo = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
+    for r0 in range(0, R, BLOCK_R):
+        o_r = r0 + tl.arange(0, BLOCK_R)
+        m_r = o_r < R
+        m_h = m_b[:, None] & m_r[None, :]
+        b_h = tl.load(p_hprev + r_prev[:, None] * R + o_r[None, :], mask=m_h, other=0.0)
+        p_wt = p_w + r_w[None, :] * R + o_r[:, None]  # [BLOCK_R, BLOCK_H]: W_hh^T tile of gate i
+        m_w = m_r[:, None] & m_j[None, :]
+        b_zi = _dot(b_h, tl.load(p_wt, mask=m_w, other=0.0), b_zi, UPCAST)
+        b_zf = _dot(b_h, tl.load(p_wt + H * R, mask=m_w, other=0.0), b_zf, UPCAST)
+        b_zg = _dot(b_h, tl.load(p_wt + 2 * H * R, mask=m_w, other=0.0), b_zg, UPCAST)
+        b_zo = _dot(b_h, tl.load(p_wt + 3 * H * R, mask=m_w, other=0.0), b_zo, UPCAST)
+
+    m = m_b[:, None] & m_j[None, :]
+    p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
+    b_i = tl.sigmoid(b_zi + tl.load(p_g, mask=m, other=0.0).to(COMPUTE))
+    b_f = tl.sigmoid(b_zf + tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE))
+    b_sg = tl.sigmoid(b_zg + tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE))
+    b_o = tl.sigmoid(b_zo + tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE))
+    b_cp = tl.load(p_cprev + r_prev[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    # The reference's tanh-free form: g = 2 sigmoid(2 a_g) - 1 and C = 2c, so C = f C_prev + 2 i g.
+    b_c = b_f * b_cp + 4.0 * b_i * b_sg - 2.0 * b_i
+    b_hn = b_o * (2.0 * tl.sigmoid(b_c) - 1.0)
+
+    DTYPE = p_gates.dtype.element_ty
+    tl.store(p_g, b_i.to(DTYPE), mask=m)
+    tl.store(p_g + H, b_f.to(DTYPE), mask=m)
+    tl.store(p_g + 2 * H, b_sg.to(DTYPE), mask=m)
+    tl.store(p_g + 3 * H, b_o.to(DTYPE), mask=m)
+    tl.store(p_cells + r_row[:, None] * H + o_j[None, :], b_c.to(DTYPE), mask=m)
+    tl.store(p_h + r_row[:, None] * H + o_j[None, :], b_hn.to(DTYPE), mask=m)
+
+
+@triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "o_dh", "s_dh_d", "n"])
+def _lstm_bwd_kernel(
+    p_gates,  # [D, P, 4H] saved (i, f, sigmoid(2 a_g), o)
+    p_cells,  # [D, P, H] saved C = 2c
+    p_cprev,  # [D, B, H] 2 c0 at step 0, else ``cells``
+    p_dh,  # [D, ., H] dL/dh from outside the recurrence: step-packed dy, or with a projection the
+    # step's full dL/dh mapped back through W_hr ([D, n, H])
+    p_dhin,  # [D, B, R] carry dL/dh from step s+1 (seeded with dh_n)
+    p_dcin,  # [D, B, H] carry dL/dc from step s+1 (seeded with dc_n)
+    p_dhout,  # [D, B, R] out: carry to step s-1 (dh0 after step 0)
+    p_dcout,  # [D, B, H] out: carry to step s-1 (dc0 after step 0)
+    p_dz,  # [D, P, 4H] out: dL/dz of the (g-doubled) pre-activations
+    p_w,  # [D, 4H, R] W_hh with the g rows doubled
+    o_row,  # first packed row of the step
+    o_prev,  # row of sequence 0's previous cell state in p_cprev
+    s_prev_d,  # rows per direction of p_cprev (B at step 0, P later)
+    o_dh,  # row of sequence 0 in p_dh
+    s_dh_d,  # rows per direction of p_dh
+    n,  # active sequences at this step
+    P,
+    B,
+    H,
+    R,
+    HAS_DH: tl.constexpr,  # p_dh holds something (dy was given, or a projection)
+    HAS_DHIN: tl.constexpr,  # add the dh carry here (without projection; with one it is in p_dh)
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,  # see _dot
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    i_d, i_b, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_b = o_b < n
+    m_r = o_r < R
+    r_row = (i_d * P + o_row + o_b).to(tl.int64)
+    r_prev = (i_d * s_prev_d + o_prev + o_b).to(tl.int64)
+    r_dh = (i_d * s_dh_d + o_dh + o_b).to(tl.int64)
+    r_carry = (i_d * B + o_b).to(tl.int64)
+    DTYPE = p_dz.dtype.element_ty
+
+    b_acc = tl.zeros([BLOCK_B, BLOCK_R], dtype=COMPUTE)  # dh_prev of the r-block
+    for j0 in range(0, H, BLOCK_H):
+        o_j = j0 + tl.arange(0, BLOCK_H)
+        m_j = o_j < H
+        m = m_b[:, None] & m_j[None, :]
+        p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
+        b_i = tl.load(p_g, mask=m, other=0.0).to(COMPUTE)
+        b_f = tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE)
+        b_sg = tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)
+        b_o = tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE)
+        b_c = tl.load(p_cells + r_row[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_cp = tl.load(p_cprev + r_prev[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_dh = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
+        if HAS_DH:
+            b_dh += tl.load(p_dh + r_dh[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        if HAS_DHIN:
+            b_dh += tl.load(p_dhin + r_carry[:, None] * R + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_dc = tl.load(p_dcin + r_carry[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+
+        b_tc = 2.0 * tl.sigmoid(b_c) - 1.0  # tanh(c) from the saved C = 2c
+        b_dc += b_dh * b_o * (1.0 - b_tc * b_tc)
+        b_dzi = b_dc * (2.0 * b_sg - 1.0) * b_i * (1.0 - b_i)
+        b_dzf = b_dc * (0.5 * b_cp) * b_f * (1.0 - b_f)
+        b_dzg = b_dc * b_i * 2.0 * b_sg * (1.0 - b_sg)  # d/dz_g of g = 2 sigmoid(z_g) - 1, z_g = 2 a_g
+        b_dzo = b_dh * b_tc * b_o * (1.0 - b_o)
+        # Half inputs: dz rounds to the input dtype (what the post-loop matmuls read too) for the MMA.
+        b_dzi, b_dzf, b_dzg, b_dzo = b_dzi.to(DTYPE), b_dzf.to(DTYPE), b_dzg.to(DTYPE), b_dzo.to(DTYPE)
+
+        p_w_j = p_w + (i_d * 4 * H + o_j).to(tl.int64)[:, None] * R + o_r[None, :]  # [BLOCK_H, BLOCK_R]
+        m_w = m_j[:, None] & m_r[None, :]
+        b_acc = _dot(b_dzi, tl.load(p_w_j, mask=m_w, other=0.0), b_acc, UPCAST)
+        b_acc = _dot(b_dzf, tl.load(p_w_j + H * R, mask=m_w, other=0.0), b_acc, UPCAST)
+        b_acc = _dot(b_dzg, tl.load(p_w_j + 2 * H * R, mask=m_w, other=0.0), b_acc, UPCAST)
+        b_acc = _dot(b_dzo, tl.load(p_w_j + 3 * H * R, mask=m_w, other=0.0), b_acc, UPCAST)
+
+        if i_r == 0:  # one program per row block owns the elementwise outputs
+            p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
+            tl.store(p_z, b_dzi, mask=m)
+            tl.store(p_z + H, b_dzf, mask=m)
+            tl.store(p_z + 2 * H, b_dzg, mask=m)
+            tl.store(p_z + 3 * H, b_dzo, mask=m)
+            p_dc = p_dcout + r_carry[:, None] * H + o_j[None, :]
+            tl.store(p_dc, (b_dc * b_f).to(p_dcout.dtype.element_ty), mask=m)
+
+    p_dho = p_dhout + r_carry[:, None] * R + o_r[None, :]
+    tl.store(p_dho, b_acc.to(p_dhout.dtype.element_ty), mask=m_b[:, None] & m_r[None, :])
+
+
+def _blocks(batch: int, hid: int, out_size: int) -> tuple[int, int, int]:
+    """Tile sizes, read from the module's constants at each call (the tests shrink them to get several
+    tiles out of tiny shapes)."""
+    block_b = min(_BLOCK_B_MAX, max(16, triton.next_power_of_2(batch)))
+    block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(hid)))
+    block_r = min(_BLOCK_R, max(16, triton.next_power_of_2(out_size)))
+    return block_b, block_h, block_r
+
+
+def _upcast(x: Tensor) -> bool:
+    """Triton kernels see CPU tensors only under the interpreter, whose bfloat16 ``tl.dot`` is wrong."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+def _compute(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def lstm_fwd_triton(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+    need_saved: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`~tandem.ops.lstm.reference.lstm_fwd_ref` with the time loop in Triton: same arguments,
+    outputs and saved buffers.
+
+    Example::
+
+        T, B, I, H = 5, 3, 4, 8
+        x, h0, c0 = torch.randn(T * B, I, device="cuda"), *torch.zeros(2, 2, B, H, device="cuda")
+        w_ih, w_hh = torch.randn(2, 4 * H, I, device="cuda"), torch.randn(2, 4 * H, H, device="cuda")
+        y, h_n, c_n, *saved = lstm_fwd_triton(x, torch.full((T,), B), h0, c0, w_ih, w_hh, None, None, None)
+        # y: [15, 16], h_n and c_n: [2, 3, 8]
+    """
+    # Fresh buffers rather than the CPU kernel's per-thread workspace: CUDA's caching allocator already
+    # reuses memory, and a workspace handed from call to call would ignore stream order.
+    fwd = fwd_prologue(x, batch_sizes, h0, c0, w_ih, b_ih, b_hh, w_hr, need_saved, reuse=False)
+    d_, batch, hid = c0.shape
+    out_size, total = h0.shape[2], x.shape[0]
+    steps = fwd.steps
+    block_b, block_h, block_r = _blocks(batch, hid, out_size)
+    w_hh_s = (w_hh * fwd.scale).contiguous()  # [D, 4H, R], g rows doubled
+    h0c, c0x2 = h0.contiguous(), (c0 * 2.0).contiguous()  # the cell state is kept doubled
+    # Per-step launch arguments, computed before the loop: (grid, h_prev, C_prev, o_row, o_prev, s_prev_d).
+    launches = [
+        (
+            (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_h)),
+            *((h0c, c0x2, 0, batch) if s == 0 else (fwd.states, fwd.cells, steps.offsets[s - 1], total)),
+            steps.offsets[s],
+            n,
+        )
+        for s, n in enumerate(steps.sizes)
+    ]
+    if w_hr is not None:
+        w_hr_t = w_hr.transpose(1, 2)  # [D, H, R]
+        projections = list(zip(steps.split(fwd.hr), steps.split(fwd.states)))
+    compute = _compute(x.dtype)[1]
+    for s, (grid, h_prev, c_prev, o_prev, s_prev_d, o_row, n) in enumerate(launches):
+        _lstm_fwd_kernel[grid](
+            fwd.gates, fwd.cells, fwd.hr, h_prev, c_prev, w_hh_s, o_row, o_prev, s_prev_d, n, total, hid,
+            out_size, COMPUTE=compute, UPCAST=_upcast(x), BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r,
+            **LAUNCH_OPTIONS,
+        )  # fmt: skip
+        if w_hr is not None:
+            hr_s, h_s = projections[s]
+            torch.bmm(hr_s, w_hr_t, out=h_s)
+    return fwd_epilogue(fwd, batch, need_saved, w_hr is not None)
+
+
+def lstm_bwd_triton(
+    dy: Tensor | None,
+    dh_n: Tensor | None,
+    dc_n: Tensor | None,
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    w_hr: Tensor | None,
+    y: Tensor,
+    gates: Tensor,
+    cells: Tensor,
+    hr: Tensor,
+    states: Tensor,
+    has_bias: bool,
+    need_dx: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`~tandem.ops.lstm.reference.lstm_bwd_ref` with the time loop in Triton: same arguments and
+    outputs, ``(dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr)``.
+
+    Example::
+
+        y, h_n, c_n, *saved = lstm_fwd_triton(x, bs, h0, c0, w_ih, w_hh, None, None, None)
+        dx, dh0, dc0, dw_ih, dw_hh, _, _, _ = lstm_bwd_triton(
+            torch.ones_like(y), None, None, x, bs, h0, c0, w_ih, w_hh, None, y, *saved, False
+        )
+    """
+    d_, batch, hid = c0.shape
+    total, out_size = x.shape[0], h0.shape[2]
+    steps = PackedSteps.build(batch_sizes, total, batch, d_, x.device, op="lstm")
+    sizes, offsets = steps.sizes, steps.offsets
+    scale = _gate_scale(hid, x)
+    if d_ == 1:
+        states = y.view(1, total, out_size)
+    if w_hr is None:
+        hr = states
+    block_b, block_h, block_r = _blocks(batch, hid, out_size)
+    compute, tl_compute = _compute(x.dtype)
+
+    # The carries, two of each (ping-pong), both seeded with the final states' gradients.
+    def seeded(last: Tensor | None, size: int) -> Tensor:
+        t = torch.empty(d_, batch, size, dtype=compute, device=x.device)
+        return t.zero_() if last is None else t.copy_(last)
+
+    dh_pp = [seeded(dh_n, out_size) for _ in range(2)]
+    dc_pp = [seeded(dc_n, hid) for _ in range(2)]
+    dz = x.new_empty(d_, total, 4 * hid)  # dL/dz: [D, P, 4H]
+    # dL/dh from the outputs, step-packed; with a projection it becomes the full dL/dh that dW_hr needs.
+    grad_h = None
+    if dy is not None or w_hr is not None:
+        grad_h = dy_by_direction(dy, steps, out=x.new_empty(d_, total, out_size))  # [D, P, R]
+    w_hh_s = (w_hh * scale).contiguous()  # [D, 4H, R], g rows doubled
+    c0x2 = (c0 * 2.0).contiguous()
+
+    # Per-step launch arguments, computed before the loop. With a projection each step first turns
+    # dy + carry into dL/dh (kept in grad_h) and maps it back through W_hr into ``work``.
+    work = x.new_empty(d_ * batch * hid) if w_hr is not None else None
+    g_h = steps.split(grad_h) if w_hr is not None else None
+    launches = []
+    for s in range(len(sizes) - 1, -1, -1):
+        n = sizes[s]
+        i_in = (len(sizes) - 1 - s) % 2
+        c_prev = (c0x2, 0, batch) if s == 0 else (cells, offsets[s - 1], total)
+        if w_hr is not None:
+            dh_src = work[: d_ * n * hid].view(d_, n, hid)  # [D, n, H]
+            proj = (g_h[s], dh_pp[i_in][:, :n], dh_src)
+            dh_args = (dh_src, 0, n)
+        else:
+            proj = None
+            dh_args = (grad_h if grad_h is not None else dz, offsets[s], total)
+        grid = (d_, triton.cdiv(n, block_b), triton.cdiv(out_size, block_r))
+        launches.append((grid, i_in, *c_prev, *dh_args, offsets[s], n, proj))
+
+    for grid, i_in, c_prev, o_prev, s_prev_d, dh_src, o_dh, s_dh_d, o_row, n, proj in launches:
+        if proj is not None:
+            full_dh, carry, back = proj
+            full_dh.add_(carry)
+            torch.bmm(full_dh, w_hr, out=back)
+        _lstm_bwd_kernel[grid](
+            gates, cells, c_prev, dh_src, dh_pp[i_in], dc_pp[i_in], dh_pp[1 - i_in], dc_pp[1 - i_in], dz,
+            w_hh_s, o_row, o_prev, s_prev_d, o_dh, s_dh_d, n, total, batch, hid, out_size,
+            HAS_DH=grad_h is not None, HAS_DHIN=w_hr is None, COMPUTE=tl_compute, UPCAST=_upcast(x),
+            BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS,
+        )  # fmt: skip
+    i_out = len(sizes) % 2  # the buffer step 0 wrote
+    dh0, dc0 = dh_pp[i_out].to(x.dtype), dc_pp[i_out].to(x.dtype)
+
+    dx, dw_ih, dw_hh, db_ih, db_hh, dw_hr = param_grads(
+        dz, grad_h, x, h0, states, hr, w_ih, w_hr, steps, scale, has_bias, need_dx
+    )
+    return dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr

@@ -1,0 +1,345 @@
+"""The Triton kernels of ``tandem::lstm_fwd`` / ``tandem::lstm_bwd`` against torch.nn.LSTM and the reference.
+
+The Triton tests (``test_triton_kernel_*``) run on CUDA when there is a GPU. On CPU they need Triton's
+interpreter, which ``tandem._backend`` only honours when the environment says so at import time, so
+``test_triton_kernels_under_interpreter`` runs them in a fresh ``pytest`` process with
+``TRITON_INTERPRET=1 TANDEM_FORCE_TRITON=1`` (the ops then take their Triton path on CPU tensors); in this
+process they are skipped. Shapes stay tiny: the interpreter runs every program instance in Python.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import tandem
+from tandem import _backend
+from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref
+from triton_support import TRITON_DEVICE, needs_triton, run_under_interpreter
+
+
+@dataclass(frozen=True)
+class Case:
+    bidirectional: bool = False
+    input: str = "padded"  # padded | packed-unsorted
+    steps: int = 4
+    batch: int = 3
+    hidden: int = 5
+    proj: int = 0
+    bias: bool = True
+    tile: int | None = None  # shrink every tile to this size: several row, H and R tiles out of tiny shapes
+
+    @property
+    def id(self) -> str:
+        parts = [
+            "bi" if self.bidirectional else "uni",
+            self.input,
+            f"T{self.steps}-B{self.batch}-H{self.hidden}",
+        ]
+        parts += [f"proj{self.proj}"] * bool(self.proj) + ["nobias"] * (not self.bias)
+        parts += [f"tile{self.tile}"] * bool(self.tile)
+        return "-".join(parts)
+
+    def lengths(self) -> list[int]:
+        """Includes length 1 and the full length; unsorted for the packed case."""
+        if self.input == "padded":
+            return [self.steps] * self.batch
+        t = self.steps
+        return [t, max(1, t // 2), 1, max(1, t - 1), max(1, t - 2)][: self.batch]
+
+
+INPUT = 4
+CASES = [
+    Case(),
+    Case(bidirectional=True),
+    Case(bidirectional=True, input="packed-unsorted", steps=6, batch=5),
+    Case(input="packed-unsorted", steps=5, batch=4, hidden=20),
+    Case(bidirectional=True, hidden=20, tile=16),  # two H tiles, the second one masked
+    Case(bidirectional=True, steps=2, batch=20, tile=16),  # two row tiles
+    Case(proj=3, bidirectional=True, input="packed-unsorted", steps=5, batch=4),
+    Case(proj=17, hidden=20, tile=16),  # two R tiles too
+    Case(bias=False, bidirectional=True, input="packed-unsorted", steps=3),
+    Case(steps=1, bidirectional=True),
+]
+
+
+@pytest.fixture
+def tiles(monkeypatch):
+    """Shrink the kernels' tiles (read from the module at each launch)."""
+    from tandem.ops.lstm import triton as lstm_triton
+
+    def shrink(size: int | None) -> None:
+        if size is not None:
+            for name in ("_BLOCK_B_MAX", "_BLOCK_H", "_BLOCK_R"):
+                monkeypatch.setattr(lstm_triton, name, size)
+
+    return shrink
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the Triton launchers' calls: the ops must reach them, not fall back to the reference."""
+    from tandem.ops.lstm import triton as lstm_triton
+
+    calls = {"fwd": 0, "bwd": 0}
+    for kind in calls:
+        name = f"lstm_{kind}_triton"
+        launcher = getattr(lstm_triton, name)
+
+        def counted(*args, _launcher=launcher, _kind=kind):
+            calls[_kind] += 1
+            return _launcher(*args)
+
+        monkeypatch.setattr(lstm_triton, name, counted)
+    return calls
+
+
+def _run(module: torch.nn.Module, case: Case, x, hx, device):
+    """Forward + backward of a fixed random loss on ``device``; outputs and every gradient on the CPU."""
+    x = x.detach().to(device).requires_grad_()
+    hx = tuple(t.detach().to(device).requires_grad_() for t in hx)
+    inp = x
+    if case.input != "padded":
+        inp = pack_padded_sequence(x, case.lengths(), enforce_sorted=False)
+    out, (h_n, c_n) = module(inp, hx)
+    out = out.data if case.input != "padded" else out
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(t.shape, generator=gen).to(device, t.dtype) for t in (out, h_n, c_n)]
+    sum(((t * w).float().sum() for t, w in zip((out, h_n, c_n), weights))).backward()
+    grads = {"input": x.grad, "h0": hx[0].grad, "c0": hx[1].grad}
+    grads |= {n: p.grad for n, p in module.named_parameters()}
+    results = {"output": out, "h_n": h_n, "c_n": c_n} | {f"grad {k}": v for k, v in grads.items()}
+    return {k: v.detach().cpu() for k, v in results.items()}
+
+
+def _make(case: Case, dtype: torch.dtype = torch.float64):
+    kwargs = dict(bias=case.bias, bidirectional=case.bidirectional, proj_size=case.proj)
+    ref = torch.nn.LSTM(INPUT, case.hidden, dtype=dtype, **kwargs)
+    ours = tandem.nn.LSTM(INPUT, case.hidden, dtype=dtype, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    states = 2 if case.bidirectional else 1
+    x = torch.randn(case.steps, case.batch, INPUT, dtype=dtype)
+    hx = (
+        torch.randn(states, case.batch, case.proj or case.hidden, dtype=dtype),
+        torch.randn(states, case.batch, case.hidden, dtype=dtype),
+    )
+    return ref, ours, x, hx
+
+
+# ------------------------------------------------------------------------------------------------
+# the interpreter run (CI has no GPU)
+
+
+@pytest.mark.timeout(600)
+def test_triton_kernels_under_interpreter():
+    run_under_interpreter(__file__, timeout=540)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.nn.LSTM, which we did not write, with copied weights
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_triton_kernel_matches_torch_float64(case: Case, tiles, launches):
+    tiles(case.tile)
+    ref, ours, x, hx = _make(case)
+    expected = _run(ref, case, x, hx, "cpu")
+    got = _run(ours.to(TRITON_DEVICE), case, x, hx, TRITON_DEVICE)
+    assert launches == {"fwd": 1, "bwd": 1}
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert got[name].shape == expected[name].shape, name
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
+FLOAT32_CASES = [CASES[2], CASES[4], CASES[6]]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", FLOAT32_CASES, ids=[c.id for c in FLOAT32_CASES])
+def test_triton_kernel_float32_error_within_twice_torch_error(case: Case, tiles):
+    """flash-attention's rule: our float32 error vs a float64 reference <= 2x torch's own + atol (1e-5:
+    a GPU's fast exp in the sigmoids, against torch's float32 LSTM on the CPU)."""
+    tiles(case.tile)
+    ref64, _, x, hx = _make(case)
+    exact = _run(ref64, case, x, hx, "cpu")
+    ref32, ours32, _, _ = _make(case, torch.float32)
+    ref32.load_state_dict(ref64.state_dict())
+    ours32.load_state_dict(ref64.state_dict())
+    x32, hx32 = x.float(), tuple(t.float() for t in hx)
+    torch_err = _run(ref32, case, x32, hx32, "cpu")
+    our_err = _run(ours32.to(TRITON_DEVICE), case, x32, hx32, TRITON_DEVICE)
+    for name, value in exact.items():
+        err_torch = (torch_err[name].double() - value).abs().max().item()
+        err_ours = (our_err[name].double() - value).abs().max().item()
+        assert err_ours <= 2 * err_torch + 1e-5, f"{name}: ours {err_ours:.3g} vs torch {err_torch:.3g}"
+
+
+HALF_CASES = [CASES[2], CASES[6]]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", HALF_CASES, ids=[c.id for c in HALF_CASES])
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [pytest.param(torch.bfloat16, 5e-2, id="bfloat16"), pytest.param(torch.float16, 5e-3, id="float16")],
+)
+def test_triton_kernel_half_close_to_float32(case: Case, dtype, tol):
+    """Half inputs, float32 math inside: close to torch's float32 LSTM, relative to each tensor's scale."""
+    ref64, _, x, hx = _make(case)
+    ref32, _, _, _ = _make(case, torch.float32)
+    ref32.load_state_dict(ref64.state_dict())
+    ours = tandem.nn.LSTM(
+        INPUT, case.hidden, bias=case.bias, bidirectional=case.bidirectional, proj_size=case.proj
+    )
+    # the weights rounded to the half dtype once, so both sides start from the same numbers
+    ours.load_state_dict({k: v.to(dtype) for k, v in ref64.state_dict().items()})
+    ref32.load_state_dict({k: v.to(dtype).float() for k, v in ref64.state_dict().items()})
+    x, hx = x.to(dtype), tuple(t.to(dtype) for t in hx)
+    expected = _run(ref32, case, x.float(), tuple(t.float() for t in hx), "cpu")
+    got = _run(ours.to(TRITON_DEVICE, dtype), case, x, hx, TRITON_DEVICE)
+    for name, value in expected.items():
+        assert got[name].dtype == dtype, name
+        err = (got[name].float() - value).abs().max().item()
+        scale = value.abs().max().item()
+        assert err <= tol * max(scale, 1.0), f"{name}: error {err:.3g} at scale {scale:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the launchers against the reference: saved buffers, unused outputs, no dx
+
+
+def _op_inputs(case: Case, dtype=torch.float64):
+    lengths = sorted(case.lengths(), reverse=True)
+    batch_sizes = torch.tensor([sum(n > t for n in lengths) for t in range(lengths[0])])
+    total, d_, out = sum(lengths), 2 if case.bidirectional else 1, case.proj or case.hidden
+    hid = case.hidden
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.float64).mul_(0.5).to(TRITON_DEVICE, dtype)
+
+    bias = (rand(d_, 4 * hid), rand(d_, 4 * hid)) if case.bias else (None, None)
+    return (
+        rand(total, INPUT),
+        batch_sizes,
+        rand(d_, case.batch, out),
+        rand(d_, case.batch, hid),
+        rand(d_, 4 * hid, INPUT),
+        rand(d_, 4 * hid, out),
+        *bias,
+        rand(d_, out, hid) if case.proj else None,
+    )
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_triton_kernel_forward_buffers_match_reference(case: Case, tiles):
+    """The saved buffers mean the same in both kernels: (i, f, sigmoid(2 a_g), o), 2c, o tanh(c), states."""
+    from tandem.ops.lstm.triton import lstm_fwd_triton
+
+    tiles(case.tile)
+    args = _op_inputs(case)
+    names = ["y", "h_n", "c_n", "gates", "cells", "hr", "states"]
+    for need_saved in (True, False):
+        got = lstm_fwd_triton(*args, need_saved)
+        expected = lstm_fwd_ref(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args), need_saved)
+        for name, a, b in zip(names, got, expected):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-12, msg=f"{name} {need_saved=}")
+
+
+BWD_CASES = [CASES[2], CASES[6], CASES[7]]
+UNUSED = {"all": (True, True, True), "dy": (True, False, False), "h_n": (False, True, False)}
+UNUSED |= {"c_n": (False, False, True)}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", BWD_CASES, ids=[c.id for c in BWD_CASES])
+@pytest.mark.parametrize("used", list(UNUSED), ids=[f"grad-of-{k}" for k in UNUSED])
+@pytest.mark.parametrize("need_dx", [True, False], ids=["dx", "no-dx"])
+def test_triton_kernel_backward_matches_reference(case: Case, used: str, need_dx: bool, tiles):
+    from tandem.ops.lstm.triton import lstm_bwd_triton
+
+    tiles(case.tile)
+    args = _op_inputs(case)
+    y, h_n, c_n, *saved = lstm_fwd_ref(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    grads = [torch.randn_like(t) if u else None for t, u in zip((y, h_n, c_n), UNUSED[used])]
+    x, bs, h0, c0, w_ih, w_hh, _, _, w_hr = args
+    rest = (x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, case.bias, need_dx)
+    expected = lstm_bwd_ref(*grads, *(a.cpu() if isinstance(a, torch.Tensor) else a for a in rest))
+    on_device = [
+        t.to(TRITON_DEVICE) if isinstance(t, torch.Tensor) and t is not bs else t for t in (*grads, *rest)
+    ]
+    got = lstm_bwd_triton(*on_device)
+    for name, a, b in zip(["dx", "dh0", "dc0", "dw_ih", "dw_hh", "db_ih", "db_hh", "dw_hr"], got, expected):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("op", ["lstm_fwd", "lstm_bwd"])
+def test_cuda_kernel_is_registered(op):
+    """CUDA tensors reach the Triton launchers through the dispatcher, not through the default kernel."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"tandem::{op}", "CUDA")
+
+
+# ------------------------------------------------------------------------------------------------
+# the GPU build, which the interpreter cannot show (compiled ahead of time: no GPU needed)
+
+_A100_SHARED = 166912  # bytes of shared memory one block may use on an A100 (163 KB); an H100 has more
+
+
+def _compile_sm90(kernel: str, dtype: torch.dtype):
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:  # pragma: no cover - other Triton layouts
+        pytest.skip(f"no ahead-of-time compiler API in this Triton: {e}")
+    from tandem.ops.lstm import triton as lstm_triton
+
+    fn = getattr(lstm_triton, f"_lstm_{kernel}_kernel")
+    name = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+        dtype
+    ]
+    compute = "fp64" if dtype == torch.float64 else "fp32"
+    carries = {"p_dhin", "p_dhout", "p_dcin", "p_dcout"}  # the backward's carries are in the compute dtype
+    constexprs = dict(COMPUTE=tl.float64 if dtype == torch.float64 else tl.float32, UPCAST=False)
+    constexprs |= dict(BLOCK_B=32, BLOCK_H=32)
+    constexprs |= dict(BLOCK_R=32) | (dict(HAS_DH=True, HAS_DHIN=True) if kernel == "bwd" else {})
+    signature = {
+        arg: "constexpr"
+        if arg in constexprs
+        else (f"*{compute if arg in carries else name}" if arg[:2] == "p_" else "i32")
+        for arg in fn.arg_names
+    }
+    options = {k: v for k, v in lstm_triton.LAUNCH_OPTIONS.items()}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.bfloat16, torch.float16],
+    ids=["float32", "float64", "bf16", "fp16"],
+)
+def test_sm90_build_uses_the_intended_matmuls(kernel, dtype):
+    """float32 stays IEEE (no TF32 rounding), half inputs take the tensor cores with float32 accumulation,
+    and every build fits an A100's shared memory."""
+    compiled = _compile_sm90(kernel, dtype)
+    ptx = compiled.asm["ptx"]
+    assert "tf32" not in ptx
+    if dtype in (torch.bfloat16, torch.float16):
+        t = "bf16" if dtype == torch.bfloat16 else "f16"
+        assert re.search(rf"mma\S*\.f32\.{t}\.{t}\.f32", ptx), (
+            "no tensor-core matmul with float32 accumulation"
+        )
+    assert compiled.metadata.shared <= _A100_SHARED
