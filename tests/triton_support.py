@@ -13,7 +13,7 @@ import torch
 
 from tandem import _backend
 
-__all__ = ["TRITON_DEVICE", "needs_triton", "run_under_interpreter"]
+__all__ = ["TRITON_DEVICE", "compile_sm90", "needs_triton", "run_under_interpreter"]
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -47,3 +47,16 @@ def run_under_interpreter(test_file: str, keyword: str = "triton_kernel_", timeo
     tail = run.stdout[-6000:] + run.stderr[-3000:]
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and "skipped" not in run.stdout, tail
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, **options):
+    """Compile the Triton kernel ``fn`` ahead of time for sm_90 (no GPU needed): what the GPU build
+    looks like (``.asm["ptx"]``, ``.metadata.shared``), which the interpreter cannot show."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:  # pragma: no cover - other Triton layouts
+        pytest.skip(f"no ahead-of-time compiler API in this Triton: {e}")
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

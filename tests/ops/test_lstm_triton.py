@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 import tandem
 from tandem import _backend
 from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref
-from triton_support import TRITON_DEVICE, needs_triton, run_under_interpreter
+from triton_support import TRITON_DEVICE, compile_sm90, needs_triton, run_under_interpreter
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,10 @@ FLOAT32_CASES = [CASES[2], CASES[4], CASES[6]]
 
 @needs_triton
 @pytest.mark.parametrize("case", FLOAT32_CASES, ids=[c.id for c in FLOAT32_CASES])
-def test_triton_kernel_float32_error_within_twice_torch_error(case: Case, tiles):
+def test_triton_kernel_float32_error_within_twice_torch_error(case: Case, tiles, monkeypatch):
     """flash-attention's rule: our float32 error vs a float64 reference <= 2x torch's own + atol (1e-5:
     a GPU's fast exp in the sigmoids, against torch's float32 LSTM on the CPU)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # exact float32 products on GPUs
     tiles(case.tile)
     ref64, _, x, hx = _make(case)
     exact = _run(ref64, case, x, hx, "cpu")
@@ -294,14 +295,8 @@ def test_cuda_kernel_is_registered(op):
 _A100_SHARED = 166912  # bytes of shared memory one block may use on an A100 (163 KB); an H100 has more
 
 
-def _compile_sm90(kernel: str, dtype: torch.dtype):
-    triton = pytest.importorskip("triton")
+def _compile_sm90(kernel: str, dtype: torch.dtype, tf32: bool = False):
     tl = pytest.importorskip("triton.language")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as e:  # pragma: no cover - other Triton layouts
-        pytest.skip(f"no ahead-of-time compiler API in this Triton: {e}")
     from tandem.ops.lstm import triton as lstm_triton
 
     fn = getattr(lstm_triton, f"_lstm_{kernel}_kernel")
@@ -310,7 +305,7 @@ def _compile_sm90(kernel: str, dtype: torch.dtype):
     ]
     compute = "fp64" if dtype == torch.float64 else "fp32"
     carries = {"p_dhin", "p_dhout", "p_dcin", "p_dcout"}  # the backward's carries are in the compute dtype
-    constexprs = dict(COMPUTE=tl.float64 if dtype == torch.float64 else tl.float32, UPCAST=False)
+    constexprs = dict(COMPUTE=tl.float64 if dtype == torch.float64 else tl.float32, UPCAST=False, TF32=tf32)
     constexprs |= dict(BLOCK_B=32, BLOCK_H=32)
     constexprs |= dict(BLOCK_R=32) | (dict(HAS_DH=True, HAS_DHIN=True) if kernel == "bwd" else {})
     signature = {
@@ -319,9 +314,7 @@ def _compile_sm90(kernel: str, dtype: torch.dtype):
         else (f"*{compute if arg in carries else name}" if arg[:2] == "p_" else "i32")
         for arg in fn.arg_names
     }
-    options = {k: v for k, v in lstm_triton.LAUNCH_OPTIONS.items()}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_sm90(fn, signature, constexprs, **lstm_triton.LAUNCH_OPTIONS)
 
 
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
@@ -343,3 +336,11 @@ def test_sm90_build_uses_the_intended_matmuls(kernel, dtype):
             "no tensor-core matmul with float32 accumulation"
         )
     assert compiled.metadata.shared <= _A100_SHARED
+
+
+@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+def test_sm90_build_takes_tf32_when_asked(kernel):
+    """With ``torch.backends.cudnn.allow_tf32`` (as torch.nn.LSTM's cuDNN kernels) float32 products round
+    to TF32 on the tensor cores."""
+    assert "tf32" in _compile_sm90(kernel, torch.float32, tf32=True).asm["ptx"]

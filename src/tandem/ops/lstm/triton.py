@@ -8,18 +8,18 @@ code (:func:`~tandem.ops.lstm.reference.fwd_prologue` and friends), and the save
 shapes and meaning: (i, f, sigmoid(2 a_g), o), C = 2c, o * tanh(c) and the reverse direction's states,
 step-packed and direction-major, so the Triton forward's buffers compare with the reference's directly.
 
-Forward, one launch per step s, grid ``(D, cdiv(sizes[s], BLOCK_B), cdiv(H, BLOCK_H))``: program
-``(d, b-block, j-block)`` accumulates ``h_prev @ W_hh[d]^T`` for its columns of the four gates over a loop
-on ``R`` (``tl.dot``, float32 accumulation; IEEE float32 products, not TF32, so that float32 matches
-torch), adds the input projection read from the gates buffer, applies the gate nonlinearities and the
-cell update, and writes the activations (in place over the projection), C and ``o * tanh(c)``. ``h_prev``
-and ``C_prev`` are read at row offsets into ``h0`` / ``2 c0`` (step 0) or the step-packed ``states`` /
-``cells`` buffers (later steps): the host only passes offsets, it never slices in the loop. Only the first
-``sizes[s]`` sequences exist at step s, and the step-packed layout already makes the reverse direction's
-step s of sequence b its frame ``len_b - 1 - s``, so padding costs nothing. With a projection
-(proj_size), ``h = (o * tanh(c)) @ W_hr^T`` is one ``torch.bmm`` per step on the step's rows, both
-directions at once: fusing it would need all H columns of a row in one program, while the kernel splits
-them over j-blocks.
+Forward, one launch per step s, grid ``(D, cdiv(sizes[s], BLOCK_B), cdiv(H, BLOCK_H))``: program ``(d,
+b-block, j-block)`` accumulates ``h_prev @ W_hh[d]^T`` for its columns of the four gates over a loop on ``R``
+(``tl.dot``, float32 accumulation; float32 products in TF32 only where torch.nn.LSTM's cuDNN kernels would
+take it, ``torch.backends.cudnn.allow_tf32``), adds the input projection read from the gates buffer, applies
+the gate nonlinearities and the cell update, and writes the activations (in place over the projection), C and
+``o * tanh(c)``. ``h_prev`` and ``C_prev`` are read at row offsets into ``h0`` / ``2 c0`` (step 0) or the
+step-packed ``states`` / ``cells`` buffers (later steps): the host only passes offsets, it never slices in the
+loop. Only the first ``sizes[s]`` sequences exist at step s, and the step-packed layout already makes the
+reverse direction's step s of sequence b its frame ``len_b - 1 - s``, so padding costs nothing. With a
+projection (proj_size), ``h = (o * tanh(c)) @ W_hr^T`` is one ``torch.bmm`` per step on the step's rows, both
+directions at once: fusing it would need all H columns of a row in one program, while the kernel splits them
+over j-blocks.
 
 Backward, one launch per step in reverse, grid ``(D, cdiv(sizes[s], BLOCK_B), cdiv(R, BLOCK_R))``:
 program ``(d, b-block, r-block)`` walks the H columns in blocks, recomputes the gate gradients of its rows
@@ -68,12 +68,15 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
 
 
 @triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
-    """``acc + a @ b``. "ieee": float32 inputs must not round to TF32 (the GPU default); no effect on the
+def _dot(a, b, acc, UPCAST: tl.constexpr, TF32: tl.constexpr):
+    """``acc + a @ b``. "ieee": float32 inputs are not rounded to TF32 (Triton's GPU default) unless
+    ``TF32``, set as torch.nn.LSTM's cuDNN kernels would use it (see :func:`_tf32`); no effect on the
     other dtypes. ``UPCAST`` (bfloat16 under Triton's interpreter, which multiplies bfloat16 bit patterns
     as integers, triton-lang/triton#11584): float32 operands, exact since bfloat16 products are."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif TF32:
+        return tl.dot(a, b, acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision="ieee")
 
@@ -95,6 +98,7 @@ def _lstm_fwd_kernel(
     R,
     COMPUTE: tl.constexpr,
     UPCAST: tl.constexpr,  # see _dot
+    TF32: tl.constexpr,  # see _dot
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -120,10 +124,10 @@ def _lstm_fwd_kernel(
         b_h = tl.load(p_hprev + r_prev[:, None] * R + o_r[None, :], mask=m_h, other=0.0)
         p_wt = p_w + r_w[None, :] * R + o_r[:, None]  # [BLOCK_R, BLOCK_H]: W_hh^T tile of gate i
         m_w = m_r[:, None] & m_j[None, :]
-        b_zi = _dot(b_h, tl.load(p_wt, mask=m_w, other=0.0), b_zi, UPCAST)
-        b_zf = _dot(b_h, tl.load(p_wt + H * R, mask=m_w, other=0.0), b_zf, UPCAST)
-        b_zg = _dot(b_h, tl.load(p_wt + 2 * H * R, mask=m_w, other=0.0), b_zg, UPCAST)
-        b_zo = _dot(b_h, tl.load(p_wt + 3 * H * R, mask=m_w, other=0.0), b_zo, UPCAST)
+        b_zi = _dot(b_h, tl.load(p_wt, mask=m_w, other=0.0), b_zi, UPCAST, TF32)
+        b_zf = _dot(b_h, tl.load(p_wt + H * R, mask=m_w, other=0.0), b_zf, UPCAST, TF32)
+        b_zg = _dot(b_h, tl.load(p_wt + 2 * H * R, mask=m_w, other=0.0), b_zg, UPCAST, TF32)
+        b_zo = _dot(b_h, tl.load(p_wt + 3 * H * R, mask=m_w, other=0.0), b_zo, UPCAST, TF32)
 
     m = m_b[:, None] & m_j[None, :]
     p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
@@ -172,6 +176,7 @@ def _lstm_bwd_kernel(
     HAS_DHIN: tl.constexpr,  # add the dh carry here (without projection; with one it is in p_dh)
     COMPUTE: tl.constexpr,
     UPCAST: tl.constexpr,  # see _dot
+    TF32: tl.constexpr,  # see _dot
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -217,10 +222,10 @@ def _lstm_bwd_kernel(
 
         p_w_j = p_w + (i_d * 4 * H + o_j).to(tl.int64)[:, None] * R + o_r[None, :]  # [BLOCK_H, BLOCK_R]
         m_w = m_j[:, None] & m_r[None, :]
-        b_acc = _dot(b_dzi, tl.load(p_w_j, mask=m_w, other=0.0), b_acc, UPCAST)
-        b_acc = _dot(b_dzf, tl.load(p_w_j + H * R, mask=m_w, other=0.0), b_acc, UPCAST)
-        b_acc = _dot(b_dzg, tl.load(p_w_j + 2 * H * R, mask=m_w, other=0.0), b_acc, UPCAST)
-        b_acc = _dot(b_dzo, tl.load(p_w_j + 3 * H * R, mask=m_w, other=0.0), b_acc, UPCAST)
+        b_acc = _dot(b_dzi, tl.load(p_w_j, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = _dot(b_dzf, tl.load(p_w_j + H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = _dot(b_dzg, tl.load(p_w_j + 2 * H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = _dot(b_dzo, tl.load(p_w_j + 3 * H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
 
         if i_r == 0:  # one program per row block owns the elementwise outputs
             p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
@@ -247,6 +252,12 @@ def _blocks(batch: int, hid: int, out_size: int) -> tuple[int, int, int]:
 def _upcast(x: Tensor) -> bool:
     """Triton kernels see CPU tensors only under the interpreter, whose bfloat16 ``tl.dot`` is wrong."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+def _tf32(x: Tensor) -> bool:
+    """Float32 products in TF32 on GPUs exactly when ``torch.backends.cudnn.allow_tf32`` lets
+    torch.nn.LSTM's cuDNN kernels use it (on by default); exact otherwise."""
+    return x.dtype == torch.float32 and x.is_cuda and torch.backends.cudnn.allow_tf32
 
 
 def _compute(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
@@ -302,8 +313,8 @@ def lstm_fwd_triton(
     for s, (grid, h_prev, c_prev, o_prev, s_prev_d, o_row, n) in enumerate(launches):
         _lstm_fwd_kernel[grid](
             fwd.gates, fwd.cells, fwd.hr, h_prev, c_prev, w_hh_s, o_row, o_prev, s_prev_d, n, total, hid,
-            out_size, COMPUTE=compute, UPCAST=_upcast(x), BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r,
-            **LAUNCH_OPTIONS,
+            out_size, COMPUTE=compute, UPCAST=_upcast(x), TF32=_tf32(x), BLOCK_B=block_b, BLOCK_H=block_h,
+            BLOCK_R=block_r, **LAUNCH_OPTIONS,
         )  # fmt: skip
         if w_hr is not None:
             hr_s, h_s = projections[s]
@@ -395,7 +406,7 @@ def lstm_bwd_triton(
             gates, cells, c_prev, dh_src, dh_pp[i_in], dc_pp[i_in], dh_pp[1 - i_in], dc_pp[1 - i_in], dz,
             w_hh_s, o_row, o_prev, s_prev_d, o_dh, s_dh_d, n, total, batch, hid, out_size,
             HAS_DH=grad_h is not None, HAS_DHIN=w_hr is None, COMPUTE=tl_compute, UPCAST=_upcast(x),
-            BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS,
+            TF32=_tf32(x), BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS,
         )  # fmt: skip
     i_out = len(sizes) % 2  # the buffer step 0 wrote
     dh0, dc0 = dh_pp[i_out].to(x.dtype), dc_pp[i_out].to(x.dtype)
