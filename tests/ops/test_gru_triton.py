@@ -9,6 +9,7 @@ instance of every launch in Python.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +19,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 import tandem
 from tandem import _backend
 from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref
-from triton_support import TRITON_DEVICE, needs_triton, run_under_interpreter
+from triton_support import TRITON_DEVICE, compile_sm90, needs_triton, run_under_interpreter
 
 
 @dataclass(frozen=True)
@@ -216,3 +217,51 @@ def test_triton_kernel_runs_in_the_autocast_dtype():
     assert all(p.grad.dtype == torch.float32 for p in ours.parameters())
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=0.1, rtol=0.1, msg=name)
+
+
+# the GPU build, which the interpreter cannot show (compiled ahead of time for sm_90: no GPU needed)
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _compile_gru_sm90(kernel: str, dtype: torch.dtype, precision: str):
+    from tandem.ops.gru import triton as gru_triton
+
+    fn = gru_triton._gru_fwd_step if kernel == "fwd" else gru_triton._gru_bwd_step
+    constexprs = dict(H=256, PRECISION=precision, BLOCK_B=32, BLOCK_K=32)
+    constexprs |= dict(HAS_BIAS=True, BLOCK_H=64) if kernel == "fwd" else dict(BLOCK_J=32)
+    carry = "fp64" if dtype == torch.float64 else "fp32"
+    pointers = {"carry_in": carry, "carry_out": carry}
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in ("stride_prev_d", "prev_row0", "row0", "n_rows", "batch", "total"):
+            signature[arg] = "i32"
+        else:
+            signature[arg] = "*" + pointers.get(arg, _DTYPE_NAMES[dtype])
+    return compile_sm90(fn, signature, constexprs, **gru_triton.LAUNCH_OPTIONS)
+
+
+@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize(
+    ("dtype", "precision"),
+    [
+        (torch.float32, "ieee"),
+        (torch.float32, "tf32"),
+        (torch.float64, "fp64"),
+        (torch.bfloat16, "native"),
+        (torch.float16, "native"),
+    ],
+    ids=["float32", "float32-tf32", "float64", "bf16", "fp16"],
+)
+def test_sm90_build_uses_the_intended_matmuls(kernel: str, dtype: torch.dtype, precision: str):
+    """Exact float32 stays off TF32 and TF32 takes it when asked; half inputs take the tensor cores with
+    float32 accumulation; every build compiles for sm_90."""
+    ptx = _compile_gru_sm90(kernel, dtype, precision).asm["ptx"]
+    if dtype == torch.float32:
+        assert ("tf32" in ptx) == (precision == "tf32")
+    if dtype in (torch.bfloat16, torch.float16):
+        t = "bf16" if dtype == torch.bfloat16 else "f16"
+        assert re.search(rf"mma\S*\.f32\.{t}\.{t}\.f32", ptx), "no tensor-core matmul with fp32 accumulation"
