@@ -344,3 +344,24 @@ def test_sm90_build_takes_tf32_when_asked(kernel):
     """With ``torch.backends.cudnn.allow_tf32`` (as torch.nn.LSTM's cuDNN kernels) float32 products round
     to TF32 on the tensor cores."""
     assert "tf32" in _compile_sm90(kernel, torch.float32, tf32=True).asm["ptx"]
+
+
+@needs_triton
+def test_triton_kernel_runs_in_the_autocast_dtype():
+    """Under autocast the layers run in its dtype (as cuDNN's RNNs do) and the gradients reach the float32
+    parameters in float32, close to the float32 module's."""
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(3, 20, bidirectional=True)
+    ours = tandem.nn.LSTM(3, 20, bidirectional=True).to(TRITON_DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 4, 3)
+    out_ref, _ = ref(x)
+    out_ref.sum().backward()
+    with torch.autocast(TRITON_DEVICE, dtype=torch.bfloat16):
+        out, (h_n, c_n) = ours(x.to(TRITON_DEVICE))
+        assert out.dtype == h_n.dtype == c_n.dtype == torch.bfloat16
+        out.float().sum().backward()
+    torch.testing.assert_close(out.float().cpu(), out_ref.detach(), atol=3e-2, rtol=3e-2)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=0.15, rtol=5e-2, msg=name)
