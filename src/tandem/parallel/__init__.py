@@ -2,7 +2,8 @@
 
 ``tandem.parallel.DistributedDataParallel`` takes torch's arguments (plus ``timeout``); communication
 hooks with torch's signature go through ``register_comm_hook``, the built-in ones are in
-:mod:`tandem.parallel.hooks`.
+:mod:`tandem.parallel.hooks`. ``tandem.parallel.ZeroAdagrad`` is Adagrad with its state sharded over
+the ranks (ZeRO stage 1), for a model wrapped in ``DistributedDataParallel``.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from tandem.parallel import hooks
 from tandem.parallel.buckets import GradBucket
 from tandem.parallel.comm import CommunicationError
 from tandem.parallel.ddp import DEFAULT_TIMEOUT_S, DDPStats, DistributedDataParallel
+from tandem.parallel.zero import ZeroAdagrad
 
 __all__ = [
     "DistributedDataParallel",
+    "ZeroAdagrad",
     "DDPStats",
     "GradBucket",
     "CommunicationError",

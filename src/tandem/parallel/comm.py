@@ -48,37 +48,44 @@ def watch(fut: Future, on_done: Callable[[Future], None] | None = None) -> threa
     return event
 
 
-def wait_event(event: threading.Event, deadline: float, what: str, timeout: float) -> None:
+def wait_event(
+    event: threading.Event, deadline: float, what: str, timeout: float, who: str = "DistributedDataParallel"
+) -> None:
     """Wait for ``event`` until ``deadline`` (``time.monotonic()`` seconds), else raise
-    :class:`CommunicationError` naming ``what``."""
+    :class:`CommunicationError` naming ``what`` (and ``who`` waited: the class the user called)."""
     if not event.wait(max(0.0, deadline - time.monotonic())):
         rank = dist.get_rank() if dist.is_initialized() else "?"
         raise CommunicationError(
-            f"DistributedDataParallel: rank {rank} waited {timeout:g} s for {what} without it completing; "
+            f"{who}: rank {rank} waited {timeout:g} s for {what} without it completing; "
             "another rank of the process group has probably died or is stuck. If ranks may legitimately "
             "fall this far apart (one rank writing a checkpoint), pass a larger timeout=."
         )
 
 
-def result(fut: Future, what: str):
+def result(fut: Future, what: str, who: str = "DistributedDataParallel"):
     """The value of the completed ``fut``; its error as a :class:`CommunicationError` naming ``what``."""
     try:
         return fut.wait()  # done already; wait() also orders CUDA streams after the result
     except Exception as e:
         rank = dist.get_rank() if dist.is_initialized() else "?"
         raise CommunicationError(
-            f"DistributedDataParallel: {what} failed on rank {rank}; another rank has probably died: {e}"
+            f"{who}: {what} failed on rank {rank}; another rank has probably died: {e}"
         ) from e
 
 
-def _run(work: dist.Work, deadline: float, what: str, timeout: float):
+def _run(work: dist.Work, deadline: float, what: str, timeout: float, who: str):
     fut = work.get_future()
-    wait_event(watch(fut), deadline, what, timeout)
-    return result(fut, what)
+    wait_event(watch(fut), deadline, what, timeout, who)
+    return result(fut, what, who)
 
 
 def broadcast_coalesced(
-    tensors: Sequence[Tensor], src: int, group: dist.ProcessGroup | None, timeout: float, what: str
+    tensors: Sequence[Tensor],
+    src: int,
+    group: dist.ProcessGroup | None,
+    timeout: float,
+    what: str,
+    who: str = "DistributedDataParallel",
 ) -> None:
     """Overwrite ``tensors`` with rank ``src``'s (a global rank): one broadcast per device and dtype."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -91,7 +98,7 @@ def broadcast_coalesced(
             flat = torch.cat([t.reshape(-1) for t in members])
             pending.append((members, flat, dist.broadcast(flat, src=src, group=group, async_op=True)))
         for members, flat, work in pending:
-            _run(work, deadline, what, timeout)
+            _run(work, deadline, what, timeout, who)
             offset = 0
             for t in members:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -108,6 +115,8 @@ def check_same_on_all_ranks(
     device: torch.device,
     timeout: float,
     what: str,
+    who: str = "DistributedDataParallel",
+    hint: str = "Every rank must wrap the same model.",
 ) -> None:
     """Raise ``ValueError`` on every rank unless all ranks pass the same ``descriptions``.
 
@@ -121,7 +130,7 @@ def check_same_on_all_ranks(
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
     deadline = time.monotonic() + timeout
-    _run(dist.all_gather(gathered, mine, group=group, async_op=True), deadline, what, timeout)
+    _run(dist.all_gather(gathered, mine, group=group, async_op=True), deadline, what, timeout, who)
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return
     everyone: list[list[str] | None] = [None] * world
@@ -136,8 +145,8 @@ def check_same_on_all_ranks(
             b = theirs[i] if i < len(theirs) else "nothing"
             if a != b:
                 raise ValueError(
-                    f"DistributedDataParallel: {what} differ across ranks: entry {i} is {a} on rank 0 "
+                    f"{who}: {what} differ across ranks: entry {i} is {a} on rank 0 "
                     f"but {b} on rank {rank} (rank 0 has {len(reference)} entries, rank {rank} "
-                    f"{len(theirs)}). Every rank must wrap the same model."
+                    f"{len(theirs)}). {hint}"
                 )
-    raise ValueError(f"DistributedDataParallel: {what} differ across ranks (digests {gathered})")
+    raise ValueError(f"{who}: {what} differ across ranks (digests {gathered})")

@@ -1,0 +1,242 @@
+"""What each spawned Gloo rank of ``test_zero.py`` runs, and the model, data and training both sides share.
+
+A rank runs every check of one scenario and saves the results to ``<result_dir>/rank<r>.pt``; the test
+process computes the single-process ``torch.optim.Adagrad`` references with the same helpers.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.parallel import DistributedDataParallel, ZeroAdagrad
+
+LOCAL_BATCH = 4
+TIMEOUT_S = 15.0
+STEPS = 4  # before the state is consolidated or loaded
+MORE = 3  # after
+
+
+def model(seed: int = 7) -> torch.nn.Module:
+    """107 float64 parameters in 6 tensors: no shard boundary of 2 or 3 ranks falls between tensors."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+    ).double()
+
+
+HYPER = dict(lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-10)
+
+
+def groups(m: torch.nn.Module) -> list[dict[str, Any]]:
+    """Two groups with different hyperparameters (the first layer alone, then the rest)."""
+    params = list(m.parameters())
+    return [{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.05, "weight_decay": 0.01}]
+
+
+def batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: rank r trains on chunk r, the reference on all of it."""
+    g = torch.Generator().manual_seed(2000 + step)
+    n = LOCAL_BATCH * world
+    return (
+        torch.randn(n, 6, generator=g, dtype=torch.float64),
+        torch.randn(n, 3, generator=g, dtype=torch.float64),
+    )
+
+
+def train(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    steps: range,
+    world: int,
+    rank: int | None,
+) -> None:
+    """Adagrad steps on a rank's chunk of each batch, or on the whole batch (``rank=None``)."""
+    for step in steps:
+        x, y = batch(step, world)
+        if rank is not None:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        opt.zero_grad()
+        ((forward(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def reference(world: int, steps: range, start: torch.nn.Module | None = None):
+    """Single-process torch.optim.Adagrad on the concatenated batches: (model, optimizer)."""
+    m = start if start is not None else model()
+    opt = torch.optim.Adagrad(groups(m), **HYPER)
+    train(m, opt, steps, world, None)
+    return m, opt
+
+
+def params(m: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def _raises(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+
+
+def _check_train_and_state(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    m = model()
+    ddp = DistributedDataParallel(m, timeout=TIMEOUT_S)
+    opt = ZeroAdagrad(groups(m), **HYPER, timeout=TIMEOUT_S)
+    train(ddp, opt, range(STEPS), world, rank)
+    out["params"] = params(m)
+    out["state_numel"] = sum(opt.state[p]["sum"].numel() for p in m.parameters())
+    out["storages"] = {opt.state[p]["sum"].untyped_storage().data_ptr() for p in m.parameters()}
+    out["steps"] = [float(opt.state[p]["step"]) for p in m.parameters()]
+
+    # Consolidate on the last rank (not 0), load into torch.optim.Adagrad there, and go on both ways.
+    to = world - 1
+    opt.consolidate_state_dict(to=to)
+    if rank == to:
+        full = opt.state_dict()
+        out["consolidated"] = copy.deepcopy(full)  # torch's load_state_dict keeps (and then updates) it
+        theirs = model()
+        with torch.no_grad():
+            for a, b in zip(theirs.parameters(), m.parameters()):
+                a.copy_(b)
+        torch_opt = torch.optim.Adagrad(groups(theirs), **HYPER)
+        torch_opt.load_state_dict(full)
+        train(theirs, torch_opt, range(STEPS, STEPS + MORE), world, None)
+        out["torch_continued"] = params(theirs)
+    else:
+        out["elsewhere"] = _raises(opt.state_dict)
+    train(ddp, opt, range(STEPS, STEPS + MORE), world, rank)
+    out["zero_continued"] = params(m)
+    out["stale"] = _raises(opt.state_dict) if rank == to else None
+    return out
+
+
+def _check_load(rank: int, world: int) -> dict[str, Any]:
+    """A torch.optim.Adagrad checkpoint (every rank computes the same one) loaded into ZeroAdagrad."""
+    torch_model, torch_opt = reference(world, range(STEPS))
+    m = model()
+    with torch.no_grad():
+        for a, b in zip(m.parameters(), torch_model.parameters()):
+            a.copy_(b)
+    ddp = DistributedDataParallel(m, timeout=TIMEOUT_S)
+    opt = ZeroAdagrad(groups(m), lr=1.0, timeout=TIMEOUT_S)  # the loaded groups bring the real values
+    opt.load_state_dict(torch_opt.state_dict())
+    train(ddp, opt, range(STEPS, STEPS + MORE), world, rank)
+    return {"params": params(m), "lr": [g["lr"] for g in opt.param_groups]}
+
+
+def _check_bad_arguments(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    m = model()
+    out["lr"] = _raises(lambda: ZeroAdagrad(m.parameters(), lr=-1.0))
+    out["eps"] = _raises(lambda: ZeroAdagrad(m.parameters(), eps=-1.0))
+    out["timeout"] = _raises(lambda: ZeroAdagrad(m.parameters(), timeout=0))
+    out["differentiable"] = _raises(lambda: ZeroAdagrad(m.parameters(), differentiable=True))
+    strided = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64).t())
+    out["not_contiguous"] = _raises(lambda: ZeroAdagrad([torch.nn.Parameter(torch.zeros(2)), strided]))
+
+    opt = ZeroAdagrad(groups(m), **HYPER, timeout=TIMEOUT_S)
+    ps = list(m.parameters())
+    before = ([p.detach().clone() for p in ps], [opt.state[p]["sum"].clone() for p in ps])
+
+    def unchanged() -> bool:
+        now = ([p.detach().clone() for p in ps], [opt.state[p]["sum"].clone() for p in ps])
+        return all(torch.equal(a, b) for x, y in zip(before, now) for a, b in zip(x, y)) and all(
+            float(opt.state[p]["step"]) == 0 for p in ps
+        )
+
+    out["to_range"] = _raises(lambda: opt.consolidate_state_dict(to=world))
+    out["to_bool"] = _raises(lambda: opt.consolidate_state_dict(to=True))
+    out["state_dict_first"] = _raises(opt.state_dict)
+    out["add_group"] = _raises(lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}))
+
+    good = reference(world, range(1))[1].state_dict()
+    one_group = {"state": good["state"], "param_groups": good["param_groups"][:1]}
+    out["load_groups"] = _raises(lambda: opt.load_state_dict(one_group))
+    bad_sum = {
+        "state": {**good["state"], 5: {**good["state"][5], "sum": torch.zeros(4, dtype=torch.float64)}},
+        "param_groups": good["param_groups"],
+    }
+    out["load_shape"] = _raises(lambda: opt.load_state_dict(bad_sum))
+
+    # A sparse gradient on the last parameter: nothing moves, not even the parameters before it.
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    ps[-1].grad = torch.ones_like(ps[-1]).to_sparse()
+    out["sparse_grad"] = _raises(opt.step)
+    out["unchanged"] = unchanged()
+    return out
+
+
+class Mixed(torch.nn.Module):
+    """A float64 and a float32 layer: two flat spaces, each cut into its own shards."""
+
+    def __init__(self, seed: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(6, 5).double()
+        self.b = torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).float()).double()
+
+
+def _check_mixed_dtypes(rank: int, world: int) -> dict[str, Any]:
+    m = Mixed()
+    opt = ZeroAdagrad(m.parameters(), lr=0.1, **HYPER, timeout=TIMEOUT_S)
+    train(DistributedDataParallel(m, timeout=TIMEOUT_S), opt, range(STEPS), world, rank)
+    return {"params": params(m), "shards": {str(k[1]): v.numel() for k, v in opt._shards.items()}}
+
+
+def _check_mismatch(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 passes one parameter more: every rank raises, none hangs."""
+    m = model()
+    extra = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))] if rank == 0 else []
+    return {"error": _raises(lambda: ZeroAdagrad([*m.parameters(), *extra], timeout=TIMEOUT_S))}
+
+
+CHECKS = {
+    "train": _check_train_and_state,
+    "load": _check_load,
+    "mixed_dtypes": _check_mixed_dtypes,
+    "bad_arguments": _check_bad_arguments,
+    "mismatch": _check_mismatch,
+}
+
+
+def entry(rank: int, world: int, store: str, result_dir: str) -> None:
+    """Process entry point: run every check as ``rank`` and save what each returns (or its error)."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # fresh torch.empty memory is NaN
+    results: dict[str, Any] = {}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        for name, check in CHECKS.items():
+            try:
+                results[name] = check(rank, world)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+    except Exception:
+        results = {"fatal": traceback.format_exc()}
+    torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
+    os._exit(0)  # no process-group teardown to wait for

@@ -1,0 +1,202 @@
+"""tandem.parallel.ZeroAdagrad on spawned Gloo ranks (2 and 3, 127.0.0.1, file store), against
+single-process torch.optim.Adagrad on the concatenated batch; plus the shard layout, in process.
+
+One process group per world size runs every check; every wait is bounded and every process is killed
+at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+import _zero_workers as w
+import pytest
+import torch
+
+from tandem.parallel.zero import shard_layout
+
+# float64 end to end: the averaged gradients differ from the full batch's in the order of the sums, and
+# the fused update from torch's in the last bit of some elements.
+TIGHT = dict(rtol=1e-11, atol=1e-13)
+TOTAL = sum(p.numel() for p in w.model().parameters())
+
+
+def run_group(tmp: Path, world: int, timeout_s: float) -> list[dict[str, Any]]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=w.entry, args=(r, world, str(tmp / "store"), str(tmp)), daemon=True)
+        for r in range(world)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.pid is None:
+                continue
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    results = []
+    for r in range(world):
+        path = tmp / f"rank{r}.pt"
+        assert path.exists(), f"rank {r} of {world} left no result (crashed or timed out)"
+        res = torch.load(path, weights_only=False)
+        assert "fatal" not in res, f"rank {r}: {res['fatal']}"
+        results.append(res)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def group(request, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
+    world = request.param
+    return world, run_group(tmp_path_factory.mktemp(f"zero-{world}"), world, timeout_s=120)
+
+
+def check(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    per_rank = [res[name] for res in results]
+    for r, res in enumerate(per_rank):
+        assert "error" not in res or not str(res["error"]).startswith("Traceback"), (
+            f"rank {r}, check {name!r}:\n{res['error']}"
+        )
+    return per_rank
+
+
+def assert_params(got: list[torch.Tensor], want: list[torch.Tensor], **tol) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, msg=lambda m, i=i: f"parameter {i}: {m}", **tol)
+
+
+@pytest.mark.timeout(150)
+def test_equals_single_process_adagrad(group):
+    world, results = group
+    want = w.params(w.reference(world, range(w.STEPS))[0])
+    per_rank = check(results, "train")
+    for res in per_rank:
+        assert_params(res["params"], want, **TIGHT)
+        assert res["steps"] == [float(w.STEPS)] * len(want)
+    for res in per_rank[1:]:  # the broadcasts leave every rank with the same bits
+        assert_params(res["params"], per_rank[0]["params"], rtol=0, atol=0)
+
+
+def test_each_rank_holds_its_share_of_the_state(group):
+    world, results = group
+    sizes = [res["state_numel"] for res in check(results, "train")]
+    assert sum(sizes) == TOTAL
+    assert set(sizes) <= {TOTAL // world, -(-TOTAL // world)}  # 107 elements: 53/54 or 35/36
+    for res in check(results, "train"):
+        assert len(res["storages"] - {0}) <= 1  # one flat shard per dtype, the state's sums view it
+
+
+def test_consolidated_state_is_torch_adagrads(group):
+    world, results = group
+    per_rank = check(results, "train")
+    ref_model, ref_opt = w.reference(world, range(w.STEPS))
+    want = ref_opt.state_dict()
+    got = per_rank[world - 1]["consolidated"]
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+    for g_got, g_want in zip(got["param_groups"], want["param_groups"]):
+        assert {k: v for k, v in g_got.items() if k != "params"} == {
+            k: v for k, v in g_want.items() if k != "params"
+        }
+    assert sorted(got["state"]) == sorted(want["state"])
+    for k in want["state"]:
+        torch.testing.assert_close(got["state"][k]["sum"], want["state"][k]["sum"], **TIGHT)
+        assert float(got["state"][k]["step"]) == float(want["state"][k]["step"])
+    # Loaded into torch.optim.Adagrad, training goes on as it does with ZeroAdagrad on the ranks.
+    continued = per_rank[world - 1]["torch_continued"]
+    for res in per_rank:
+        assert_params(res["zero_continued"], continued, **TIGHT)
+    w.train(ref_model, ref_opt, range(w.STEPS, w.STEPS + w.MORE), world, None)
+    assert_params(continued, w.params(ref_model), **TIGHT)
+
+
+def test_state_dict_only_where_and_when_consolidated(group):
+    world, results = group
+    per_rank = check(results, "train")
+    for r, res in enumerate(per_rank):
+        if r != world - 1:
+            elsewhere = res["elsewhere"]
+            assert elsewhere.startswith("RuntimeError") and f"consolidated on rank {world - 1}" in elsewhere
+    stale = per_rank[world - 1]["stale"]
+    assert stale.startswith("RuntimeError") and "before the last 3 step(s)" in stale
+
+
+def test_loads_a_torch_adagrad_checkpoint(group):
+    world, results = group
+    model, opt = w.reference(world, range(w.STEPS + w.MORE))
+    for res in check(results, "load"):
+        assert_params(res["params"], w.params(model), **TIGHT)
+        assert res["lr"] == [0.1, 0.05]
+
+
+def test_bad_arguments_raise_before_anything_changes(group):
+    world, results = group
+    for res in check(results, "bad_arguments"):
+        assert res["lr"] == "ValueError: Invalid learning rate: -1.0"
+        assert res["eps"] == "ValueError: Invalid epsilon value: -1.0"
+        assert res["timeout"].startswith("ValueError") and "timeout" in res["timeout"]
+        assert res["differentiable"].startswith("ValueError") and "differentiable" in res["differentiable"]
+        assert "parameter 1" in res["not_contiguous"] and "contiguous" in res["not_contiguous"]
+        assert res["to_range"].startswith("ValueError") and "to (a rank" in res["to_range"]
+        assert f"got {world}" in res["to_range"] and "got True" in res["to_bool"]
+        assert res["state_dict_first"].startswith("RuntimeError: ZeroAdagrad: the optimizer state has not")
+        assert res["add_group"].startswith("RuntimeError") and "add_param_group" in res["add_group"]
+        assert res["load_groups"] == (
+            "ValueError: ZeroAdagrad.load_state_dict: expected 2 parameter groups, got 1"
+        )
+        assert res["load_shape"].startswith("ValueError") and "parameter 5 of shape (3,)" in res["load_shape"]
+        assert res["sparse_grad"].startswith("RuntimeError") and "parameter 5" in res["sparse_grad"]
+        assert res["unchanged"], "a refused load_state_dict or step changed parameters or state"
+
+
+def test_mixed_dtypes(group):
+    world, results = group
+    m = w.Mixed()
+    w.train(m, torch.optim.Adagrad(m.parameters(), lr=0.1, **w.HYPER), range(w.STEPS), world, None)
+    per_rank = check(results, "mixed_dtypes")
+    for res in per_rank:
+        assert_params(res["params"], w.params(m), rtol=1e-5, atol=1e-6)  # float32 for the second layer
+    for dtype, total in (("torch.float64", 35), ("torch.float32", 18)):
+        sizes = [res["shards"][dtype] for res in per_rank]
+        assert sum(sizes) == total and max(sizes) - min(sizes) <= 1
+
+
+def test_different_parameters_raise_on_every_rank(group):
+    world, results = group
+    for res in check(results, "mismatch"):
+        assert res["error"].startswith("ValueError: ZeroAdagrad: the optimizer's parameters"), res["error"]
+
+
+# ----------------------------------------------------------------------------------------------
+# in process: the layout
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_layout_covers_every_element_once(world):
+    ps = [
+        torch.zeros(5),
+        torch.zeros(0),
+        torch.zeros(2, 3),
+        torch.zeros(1, dtype=torch.float64),
+        torch.zeros(7),
+    ]
+    pieces, bounds = shard_layout(ps, world)
+    for i, p in enumerate(ps):
+        ranges = sorted((pc.start, pc.stop) for pc in pieces if pc.index == i)
+        ends = [0] + [b for _, b in ranges]
+        assert [a for a, _ in ranges] == ends[:-1] and ends[-1] == p.numel()  # back to back, all of it
+    for key, cut in bounds.items():
+        sizes = [cut[r + 1] - cut[r] for r in range(world)]
+        assert max(sizes) - min(sizes) <= 1
+        for r in range(world):
+            owned = sum(pc.numel for pc in pieces if pc.owner == r and ps[pc.index].dtype == key[1])
+            assert owned == sizes[r]
