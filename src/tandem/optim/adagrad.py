@@ -14,6 +14,24 @@ from tandem.ops.adagrad import adagrad_unchecked, to_device
 __all__ = ["Adagrad"]
 
 
+def check_hyperparameters(
+    lr: float | Tensor, lr_decay: float, weight_decay: float, initial_accumulator_value: float, eps: float
+) -> None:
+    """torch.optim.Adagrad's checks of its hyper-parameters, with its messages, in its order."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not lr_decay >= 0.0:
+        raise ValueError(f"Invalid lr_decay value: {lr_decay}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not initial_accumulator_value >= 0.0:
+        raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+
+
 class Adagrad(Optimizer):
     r"""Adagrad, a drop-in for :class:`torch.optim.Adagrad` with a fused update and a convergence test.
 
@@ -65,18 +83,7 @@ class Adagrad(Optimizer):
         tol: float | None = None,
     ) -> None:
         # torch.optim.Adagrad's checks and messages, in its order, then tol's.
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not lr_decay >= 0.0:
-            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not initial_accumulator_value >= 0.0:
-            raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
-        if not eps >= 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+        check_hyperparameters(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
         if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0.0):
             raise ValueError(f"Invalid tol value: {tol} (expected None or a number >= 0)")
         if fused:

@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from tandem.ops.adagrad import adagrad_unchecked
+from tandem.optim.adagrad import check_hyperparameters
 from tandem.parallel.comm import check_same_on_all_ranks, result, wait_event, watch
 
 __all__ = ["ZeroAdagrad", "shard_layout"]
@@ -180,18 +181,7 @@ class ZeroAdagrad(Optimizer):
         timeout: float | datetime.timedelta | None = None,
     ) -> None:
         # torch.optim.Adagrad's checks and messages, then ours: all before any state or communication.
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not lr_decay >= 0.0:
-            raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not initial_accumulator_value >= 0.0:
-            raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
-        if not eps >= 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+        check_hyperparameters(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if differentiable:
