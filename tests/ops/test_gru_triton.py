@@ -224,11 +224,13 @@ def test_triton_kernel_runs_in_the_autocast_dtype():
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _compile_gru_sm90(kernel: str, dtype: torch.dtype, precision: str):
+def _compile_gru_sm90(kernel: str, dtype: torch.dtype, tf32: bool):
+    tl = pytest.importorskip("triton.language")
     from tandem.ops.gru import triton as gru_triton
 
     fn = gru_triton._gru_fwd_step if kernel == "fwd" else gru_triton._gru_bwd_step
-    constexprs = dict(H=256, PRECISION=precision, BLOCK_B=32, BLOCK_K=32)
+    compute = tl.float64 if dtype == torch.float64 else tl.float32
+    constexprs = dict(H=256, COMPUTE=compute, UPCAST=False, TF32=tf32, BLOCK_B=32, BLOCK_K=32)
     constexprs |= dict(HAS_BIAS=True, BLOCK_H=64) if kernel == "fwd" else dict(BLOCK_J=32)
     carry = "fp64" if dtype == torch.float64 else "fp32"
     pointers = {"carry_in": carry, "carry_out": carry}
@@ -246,22 +248,22 @@ def _compile_gru_sm90(kernel: str, dtype: torch.dtype, precision: str):
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
 @pytest.mark.parametrize("kernel", ["fwd", "bwd"])
 @pytest.mark.parametrize(
-    ("dtype", "precision"),
+    ("dtype", "tf32"),
     [
-        (torch.float32, "ieee"),
-        (torch.float32, "tf32"),
-        (torch.float64, "fp64"),
-        (torch.bfloat16, "native"),
-        (torch.float16, "native"),
+        (torch.float32, False),
+        (torch.float32, True),
+        (torch.float64, False),
+        (torch.bfloat16, False),
+        (torch.float16, False),
     ],
     ids=["float32", "float32-tf32", "float64", "bf16", "fp16"],
 )
-def test_sm90_build_uses_the_intended_matmuls(kernel: str, dtype: torch.dtype, precision: str):
+def test_sm90_build_uses_the_intended_matmuls(kernel: str, dtype: torch.dtype, tf32: bool):
     """Exact float32 stays off TF32 and TF32 takes it when asked; half inputs take the tensor cores with
     float32 accumulation; every build compiles for sm_90."""
-    ptx = _compile_gru_sm90(kernel, dtype, precision).asm["ptx"]
+    ptx = _compile_gru_sm90(kernel, dtype, tf32).asm["ptx"]
     if dtype == torch.float32:
-        assert ("tf32" in ptx) == (precision == "tf32")
+        assert ("tf32" in ptx) == tf32
     if dtype in (torch.bfloat16, torch.float16):
         t = "bf16" if dtype == torch.bfloat16 else "f16"
         assert re.search(rf"mma\S*\.f32\.{t}\.{t}\.f32", ptx), "no tensor-core matmul with fp32 accumulation"

@@ -29,16 +29,16 @@ torch.nn.GRU's cuDNN kernels are, and exactly otherwise.
 
 Not yet done (no GPU was available to measure them): capturing the per-step launches in a CUDA graph
 or a persistent kernel for the hidden sizes whose weights fit on chip, and any tuning of the block
-sizes. Float64 tiles use an exact broadcast-and-sum product instead of ``tl.dot``.
+sizes.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem.ops._triton_rnn import compute_dtype, dot, tf32, upcast
 from tandem.ops._workspace import scratch
 from tandem.ops.gru.reference import (
     gru_bwd_epilogue,
@@ -52,21 +52,6 @@ __all__ = ["gru_fwd_triton", "gru_bwd_triton"]
 # Untuned starting points (no GPU timing yet). FMA contraction on, and said so: Triton 3.10 turns its
 # default off, and the fused form is the more accurate one.
 LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=True)
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    """``acc + a @ b`` in fp32 (fp64 for float64 tiles, where ``tl.dot`` is not used)."""
-    if PRECISION == "fp64":
-        return acc + tl.sum(a[:, :, None] * b[None, :, :], 1)
-    elif PRECISION == "ieee":
-        return tl.dot(a, b, acc, input_precision="ieee")
-    elif PRECISION == "tf32":
-        return tl.dot(a, b, acc, input_precision="tf32")
-    elif PRECISION == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -84,7 +69,9 @@ def _gru_fwd_step(
     total,  # P
     H: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,  # see tandem.ops._triton_rnn
+    TF32: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -94,10 +81,9 @@ def _gru_fwd_step(
     rj = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     mb = rb < n_rows
     mj = rj < H
-    acc_dtype = tl.float64 if PRECISION == "fp64" else tl.float32
-    acc_r = tl.zeros((BLOCK_B, BLOCK_H), acc_dtype)
-    acc_z = tl.zeros((BLOCK_B, BLOCK_H), acc_dtype)
-    acc_n = tl.zeros((BLOCK_B, BLOCK_H), acc_dtype)
+    acc_r = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
+    acc_z = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
+    acc_n = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
     p_prev = h_prev + d * stride_prev_d + (prev_row0 + rb)[:, None] * H
     p_w = w_hh + d * 3 * H * H + rj[None, :] * H  # W_hh^T tile: [K, j]
     for k0 in range(0, H, BLOCK_K):
@@ -105,20 +91,20 @@ def _gru_fwd_step(
         mk = rk < H
         h = tl.load(p_prev + rk[None, :], mask=mb[:, None] & mk[None, :], other=0.0)
         mw = mk[:, None] & mj[None, :]
-        acc_r = _dot(h, tl.load(p_w + rk[:, None], mask=mw, other=0.0), acc_r, PRECISION)
-        acc_z = _dot(h, tl.load(p_w + H * H + rk[:, None], mask=mw, other=0.0), acc_z, PRECISION)
-        acc_n = _dot(h, tl.load(p_w + 2 * H * H + rk[:, None], mask=mw, other=0.0), acc_n, PRECISION)
+        acc_r = dot(h, tl.load(p_w + rk[:, None], mask=mw, other=0.0), acc_r, UPCAST, TF32)
+        acc_z = dot(h, tl.load(p_w + H * H + rk[:, None], mask=mw, other=0.0), acc_z, UPCAST, TF32)
+        acc_n = dot(h, tl.load(p_w + 2 * H * H + rk[:, None], mask=mw, other=0.0), acc_n, UPCAST, TF32)
 
     m = mb[:, None] & mj[None, :]
     p_g = gates + d * total * 3 * H + (row0 + rb)[:, None] * (3 * H) + rj[None, :]
-    r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(acc_dtype) + acc_r)
-    z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(acc_dtype) + acc_z)
+    r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + acc_r)
+    z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + acc_z)
     hn = acc_n
     if HAS_BIAS:
-        hn += tl.load(b_hn + d * H + rj, mask=mj, other=0.0).to(acc_dtype)[None, :]
+        hn += tl.load(b_hn + d * H + rj, mask=mj, other=0.0).to(COMPUTE)[None, :]
     # n = tanh(a_in + r * hn) = 2 sigmoid(2 a_in + 2 r hn) - 1, the projection holding 2 a_in
-    n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(acc_dtype) + 2.0 * r * hn) - 1.0
-    h_old = tl.load(p_prev + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+    n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * r * hn) - 1.0
+    h_old = tl.load(p_prev + rj[None, :], mask=m, other=0.0).to(COMPUTE)
     h = n + z * (h_old - n)  # (1 - z) n + z h_prev
     out_dtype = gates.dtype.element_ty
     tl.store(p_g, r.to(out_dtype), mask=m)
@@ -145,7 +131,9 @@ def _gru_bwd_step(
     batch,  # B: the carry buffers' rows
     total,  # P
     H: tl.constexpr,
-    PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,  # see tandem.ops._triton_rnn
+    TF32: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -156,28 +144,27 @@ def _gru_bwd_step(
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mb = rb < n_rows
     mk = rk < H
-    acc_dtype = tl.float64 if PRECISION == "fp64" else tl.float32
     dt = gates.dtype.element_ty
     p_carry = d * batch * H + rb[:, None] * H  # + column
     p_row = d * total * H + (row0 + rb)[:, None] * H  # + column, [D, P, H] buffers
     p_row3 = d * total * 3 * H + (row0 + rb)[:, None] * (3 * H)  # + column, [D, P, 3H] buffers
     p_w = w_hh + d * 3 * H * H + rk[None, :]  # + j * H: a [j, k] tile of W_hh
-    acc = tl.zeros((BLOCK_B, BLOCK_K), acc_dtype)
+    acc = tl.zeros((BLOCK_B, BLOCK_K), COMPUTE)
     for j0 in range(0, H, BLOCK_J):
         rj = j0 + tl.arange(0, BLOCK_J)
         mj = rj < H
         m = mb[:, None] & mj[None, :]
-        dh = tl.load(carry_in + p_carry + rj[None, :], mask=m, other=0.0).to(acc_dtype)
-        dh += tl.load(grad_out + p_row + rj[None, :], mask=m, other=0.0).to(acc_dtype)
-        r = tl.load(gates + p_row3 + rj[None, :], mask=m, other=0.0).to(acc_dtype)
-        z = tl.load(gates + p_row3 + H + rj[None, :], mask=m, other=0.0).to(acc_dtype)
-        n = tl.load(gates + p_row3 + 2 * H + rj[None, :], mask=m, other=0.0).to(acc_dtype)
-        h = tl.load(states + p_row + rj[None, :], mask=m, other=0.0).to(acc_dtype)
+        dh = tl.load(carry_in + p_carry + rj[None, :], mask=m, other=0.0).to(COMPUTE)
+        dh += tl.load(grad_out + p_row + rj[None, :], mask=m, other=0.0).to(COMPUTE)
+        r = tl.load(gates + p_row3 + rj[None, :], mask=m, other=0.0).to(COMPUTE)
+        z = tl.load(gates + p_row3 + H + rj[None, :], mask=m, other=0.0).to(COMPUTE)
+        n = tl.load(gates + p_row3 + 2 * H + rj[None, :], mask=m, other=0.0).to(COMPUTE)
+        h = tl.load(states + p_row + rj[None, :], mask=m, other=0.0).to(COMPUTE)
         a = dh * (1.0 - z)
         dz = a * (h - n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
         dn = a * (1.0 - n * n)
         dn_h = dn * r
-        dr = dn_h * tl.load(hn + p_row + rj[None, :], mask=m, other=0.0).to(acc_dtype) * (1.0 - r)
+        dr = dn_h * tl.load(hn + p_row + rj[None, :], mask=m, other=0.0).to(COMPUTE) * (1.0 - r)
         # the matmul reads the gate gradients rounded as the saved ones, like the reference
         dr, dz, dn_h = dr.to(dt), dz.to(dt), dn_h.to(dt)
         if pid_k == 0:
@@ -186,28 +173,15 @@ def _gru_bwd_step(
             tl.store(dgates + p_row3 + 2 * H + rj[None, :], dn_h, mask=m)
             tl.store(dn_in + p_row + rj[None, :], dn.to(dt), mask=m)
         mw = mj[:, None] & mk[None, :]
-        acc = _dot(dr, tl.load(p_w + rj[:, None] * H, mask=mw, other=0.0), acc, PRECISION)
-        acc = _dot(dz, tl.load(p_w + (H + rj)[:, None] * H, mask=mw, other=0.0), acc, PRECISION)
-        acc = _dot(dn_h, tl.load(p_w + (2 * H + rj)[:, None] * H, mask=mw, other=0.0), acc, PRECISION)
+        acc = dot(dr, tl.load(p_w + rj[:, None] * H, mask=mw, other=0.0), acc, UPCAST, TF32)
+        acc = dot(dz, tl.load(p_w + (H + rj)[:, None] * H, mask=mw, other=0.0), acc, UPCAST, TF32)
+        acc = dot(dn_h, tl.load(p_w + (2 * H + rj)[:, None] * H, mask=mw, other=0.0), acc, UPCAST, TF32)
 
     m = mb[:, None] & mk[None, :]
-    dh = tl.load(carry_in + p_carry + rk[None, :], mask=m, other=0.0).to(acc_dtype)
-    dh += tl.load(grad_out + p_row + rk[None, :], mask=m, other=0.0).to(acc_dtype)
-    z = tl.load(gates + p_row3 + H + rk[None, :], mask=m, other=0.0).to(acc_dtype)
+    dh = tl.load(carry_in + p_carry + rk[None, :], mask=m, other=0.0).to(COMPUTE)
+    dh += tl.load(grad_out + p_row + rk[None, :], mask=m, other=0.0).to(COMPUTE)
+    z = tl.load(gates + p_row3 + H + rk[None, :], mask=m, other=0.0).to(COMPUTE)
     tl.store(carry_out + p_carry + rk[None, :], (acc + dh * z).to(carry_out.dtype.element_ty), mask=m)
-
-
-def _precision(t: Tensor) -> str:
-    """How ``tl.dot`` multiplies tiles of ``t``'s dtype. Float32: TF32 on GPUs when
-    ``torch.backends.cudnn.allow_tf32`` (the flag that lets torch.nn.GRU's cuDNN kernels use TF32,
-    on by default), else exactly. Half precision natively; float64 by broadcast-and-sum. CPU tensors
-    only reach Triton under its interpreter, whose bfloat16 ``tl.dot`` returns garbage (Triton 3.9):
-    there bfloat16 tiles are multiplied in float32, which gives the same products."""
-    if t.dtype == torch.float32:
-        return "tf32" if t.is_cuda and torch.backends.cudnn.allow_tf32 else "ieee"
-    if t.dtype == torch.bfloat16 and t.device.type == "cpu":
-        return "upcast"
-    return "fp64" if t.dtype == torch.float64 else "native"
 
 
 def _temporaries(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
@@ -243,7 +217,9 @@ def gru_fwd_triton(
     meta = dict(
         H=hid,
         HAS_BIAS=b_hh is not None,
-        PRECISION=_precision(x),
+        COMPUTE=compute_dtype(x.dtype)[1],
+        UPCAST=upcast(x),
+        TF32=tf32(x),
         BLOCK_B=block_b,
         BLOCK_H=block_h,
         BLOCK_K=_block(hid, 16, 32),
@@ -290,12 +266,14 @@ def gru_bwd_triton(
     steps, states, grad_out, dh_n = gru_bwd_prologue(dy, dh_n, x, batch_sizes, h0, y, states, grad_steps)
     grad_out = grad_out.contiguous()
     w_hh = w_hh.contiguous()
-    carry_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    carry_dtype = compute_dtype(x.dtype)[0]
     carry = [dh_n.to(carry_dtype, copy=True).contiguous() for _ in range(2)]
     block_b, block_k = _block(batch, 16, 32), _block(hid, 16, 64)
     meta = dict(
         H=hid,
-        PRECISION=_precision(x),
+        COMPUTE=compute_dtype(x.dtype)[1],
+        UPCAST=upcast(x),
+        TF32=tf32(x),
         BLOCK_B=block_b,
         BLOCK_J=_block(hid, 16, 32),
         BLOCK_K=block_k,

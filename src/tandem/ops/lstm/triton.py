@@ -35,8 +35,9 @@ carry to ``dy`` (that full dL/dh is kept for dW_hr) and maps it back with one ``
 
 float32, float64, bfloat16 and float16 inputs; float32 math (float64 for float64) and accumulation,
 activations and gradients stored in the input dtype like the reference. Any B, H, I, R: tiles are masked.
-Under the interpreter (CPU tensors) bfloat16 matmuls take float32 operands (see :func:`_dot`); the GPU
-build multiplies bfloat16 on the tensor cores, which gives the same products.
+Under the interpreter (CPU tensors) bfloat16 matmuls take float32 operands
+(:func:`tandem.ops._triton_rnn.upcast`); the GPU build multiplies bfloat16 on the tensor cores, which
+gives the same products.
 
 Not done yet: no CUDA-graph capture of the step loop and no persistent kernel (each step is one launch,
 plus one bmm per step with a projection); block sizes and pipeline stages are untuned; nothing here has
@@ -53,6 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tandem.ops._packed import PackedSteps
+from tandem.ops._triton_rnn import compute_dtype, dot, tf32, upcast
 from tandem.ops.lstm.reference import _gate_scale, dy_by_direction, fwd_epilogue, fwd_prologue, param_grads
 
 __all__ = ["lstm_fwd_triton", "lstm_bwd_triton"]
@@ -65,20 +67,6 @@ _BLOCK_R = 32
 # (the same on sm_80 and sm_90 builds; the tests check the sm_90 one). FMA contraction on, and said so:
 # Triton 3.10 turns its default off, and the fused form is the more accurate one.
 LAUNCH_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr, TF32: tl.constexpr):
-    """``acc + a @ b``. "ieee": float32 inputs are not rounded to TF32 (Triton's GPU default) unless
-    ``TF32``, set as torch.nn.LSTM's cuDNN kernels would use it (see :func:`_tf32`); no effect on the
-    other dtypes. ``UPCAST`` (bfloat16 under Triton's interpreter, which multiplies bfloat16 bit patterns
-    as integers, triton-lang/triton#11584): float32 operands, exact since bfloat16 products are."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif TF32:
-        return tl.dot(a, b, acc, input_precision="tf32")
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "n"])
@@ -97,8 +85,8 @@ def _lstm_fwd_kernel(
     H,
     R,
     COMPUTE: tl.constexpr,
-    UPCAST: tl.constexpr,  # see _dot
-    TF32: tl.constexpr,  # see _dot
+    UPCAST: tl.constexpr,  # see dot
+    TF32: tl.constexpr,  # see dot
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -124,10 +112,10 @@ def _lstm_fwd_kernel(
         b_h = tl.load(p_hprev + r_prev[:, None] * R + o_r[None, :], mask=m_h, other=0.0)
         p_wt = p_w + r_w[None, :] * R + o_r[:, None]  # [BLOCK_R, BLOCK_H]: W_hh^T tile of gate i
         m_w = m_r[:, None] & m_j[None, :]
-        b_zi = _dot(b_h, tl.load(p_wt, mask=m_w, other=0.0), b_zi, UPCAST, TF32)
-        b_zf = _dot(b_h, tl.load(p_wt + H * R, mask=m_w, other=0.0), b_zf, UPCAST, TF32)
-        b_zg = _dot(b_h, tl.load(p_wt + 2 * H * R, mask=m_w, other=0.0), b_zg, UPCAST, TF32)
-        b_zo = _dot(b_h, tl.load(p_wt + 3 * H * R, mask=m_w, other=0.0), b_zo, UPCAST, TF32)
+        b_zi = dot(b_h, tl.load(p_wt, mask=m_w, other=0.0), b_zi, UPCAST, TF32)
+        b_zf = dot(b_h, tl.load(p_wt + H * R, mask=m_w, other=0.0), b_zf, UPCAST, TF32)
+        b_zg = dot(b_h, tl.load(p_wt + 2 * H * R, mask=m_w, other=0.0), b_zg, UPCAST, TF32)
+        b_zo = dot(b_h, tl.load(p_wt + 3 * H * R, mask=m_w, other=0.0), b_zo, UPCAST, TF32)
 
     m = m_b[:, None] & m_j[None, :]
     p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
@@ -175,8 +163,8 @@ def _lstm_bwd_kernel(
     HAS_DH: tl.constexpr,  # p_dh holds something (dy was given, or a projection)
     HAS_DHIN: tl.constexpr,  # add the dh carry here (without projection; with one it is in p_dh)
     COMPUTE: tl.constexpr,
-    UPCAST: tl.constexpr,  # see _dot
-    TF32: tl.constexpr,  # see _dot
+    UPCAST: tl.constexpr,  # see dot
+    TF32: tl.constexpr,  # see dot
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -222,10 +210,10 @@ def _lstm_bwd_kernel(
 
         p_w_j = p_w + (i_d * 4 * H + o_j).to(tl.int64)[:, None] * R + o_r[None, :]  # [BLOCK_H, BLOCK_R]
         m_w = m_j[:, None] & m_r[None, :]
-        b_acc = _dot(b_dzi, tl.load(p_w_j, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
-        b_acc = _dot(b_dzf, tl.load(p_w_j + H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
-        b_acc = _dot(b_dzg, tl.load(p_w_j + 2 * H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
-        b_acc = _dot(b_dzo, tl.load(p_w_j + 3 * H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = dot(b_dzi, tl.load(p_w_j, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = dot(b_dzf, tl.load(p_w_j + H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = dot(b_dzg, tl.load(p_w_j + 2 * H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = dot(b_dzo, tl.load(p_w_j + 3 * H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
 
         if i_r == 0:  # one program per row block owns the elementwise outputs
             p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
@@ -247,21 +235,6 @@ def _blocks(batch: int, hid: int, out_size: int) -> tuple[int, int, int]:
     block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(hid)))
     block_r = min(_BLOCK_R, max(16, triton.next_power_of_2(out_size)))
     return block_b, block_h, block_r
-
-
-def _upcast(x: Tensor) -> bool:
-    """Triton kernels see CPU tensors only under the interpreter, whose bfloat16 ``tl.dot`` is wrong."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16
-
-
-def _tf32(x: Tensor) -> bool:
-    """Float32 products in TF32 on GPUs exactly when ``torch.backends.cudnn.allow_tf32`` lets
-    torch.nn.LSTM's cuDNN kernels use it (on by default); exact otherwise."""
-    return x.dtype == torch.float32 and x.is_cuda and torch.backends.cudnn.allow_tf32
-
-
-def _compute(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
 
 
 def lstm_fwd_triton(
@@ -309,11 +282,11 @@ def lstm_fwd_triton(
     if w_hr is not None:
         w_hr_t = w_hr.transpose(1, 2)  # [D, H, R]
         projections = list(zip(steps.split(fwd.hr), steps.split(fwd.states)))
-    compute = _compute(x.dtype)[1]
+    compute = compute_dtype(x.dtype)[1]
     for s, (grid, h_prev, c_prev, o_prev, s_prev_d, o_row, n) in enumerate(launches):
         _lstm_fwd_kernel[grid](
             fwd.gates, fwd.cells, fwd.hr, h_prev, c_prev, w_hh_s, o_row, o_prev, s_prev_d, n, total, hid,
-            out_size, COMPUTE=compute, UPCAST=_upcast(x), TF32=_tf32(x), BLOCK_B=block_b, BLOCK_H=block_h,
+            out_size, COMPUTE=compute, UPCAST=upcast(x), TF32=tf32(x), BLOCK_B=block_b, BLOCK_H=block_h,
             BLOCK_R=block_r, **LAUNCH_OPTIONS,
         )  # fmt: skip
         if w_hr is not None:
@@ -361,7 +334,7 @@ def lstm_bwd_triton(
     if w_hr is None:
         hr = states
     block_b, block_h, block_r = _blocks(batch, hid, out_size)
-    compute, tl_compute = _compute(x.dtype)
+    compute, tl_compute = compute_dtype(x.dtype)
 
     # The carries, two of each (ping-pong), both seeded with the final states' gradients.
     def seeded(last: Tensor | None, size: int) -> Tensor:
@@ -405,8 +378,8 @@ def lstm_bwd_triton(
         _lstm_bwd_kernel[grid](
             gates, cells, c_prev, dh_src, dh_pp[i_in], dc_pp[i_in], dh_pp[1 - i_in], dc_pp[1 - i_in], dz,
             w_hh_s, o_row, o_prev, s_prev_d, o_dh, s_dh_d, n, total, batch, hid, out_size,
-            HAS_DH=grad_h is not None, HAS_DHIN=w_hr is None, COMPUTE=tl_compute, UPCAST=_upcast(x),
-            TF32=_tf32(x), BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS,
+            HAS_DH=grad_h is not None, HAS_DHIN=w_hr is None, COMPUTE=tl_compute, UPCAST=upcast(x),
+            TF32=tf32(x), BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS,
         )  # fmt: skip
     i_out = len(sizes) % 2  # the buffer step 0 wrote
     dh0, dc0 = dh_pp[i_out].to(x.dtype), dc_pp[i_out].to(x.dtype)
