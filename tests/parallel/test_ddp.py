@@ -8,14 +8,13 @@ every process is killed at the end, whatever happened.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import time
 from pathlib import Path
 from typing import Any
 
 import _ddp_workers as w
 import pytest
 import torch
+from _ranks import spawn_ranks
 
 import tandem
 
@@ -24,35 +23,16 @@ WORLD = 3
 
 def run_group(tmp: Path, scenario: str, world: int, timeout_s: float, **options: Any) -> list[Any]:
     """Spawn ``world`` ranks running ``scenario``; each rank's saved result (None if it left none)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=w.entry, args=(r, world, str(tmp / "store"), str(tmp), scenario, options), daemon=True
-        )
-        for r in range(world)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for r, p in enumerate(procs):
-            # A rank that is meant to stall never exits: stop waiting for it once the others reported.
-            if options.get("action") == "stall" and r == options.get("victim"):
-                continue
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.pid is None:  # never started
-                continue
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    results = []
-    for r in range(world):
-        path = tmp / f"rank{r}.pt"
-        results.append(torch.load(path, weights_only=False) if path.exists() else None)
-    return results
+    # A rank that is meant to stall never exits: stop waiting for it once the others reported.
+    stalled = options.get("victim") if options.get("action") == "stall" else None
+    return spawn_ranks(
+        w.entry,
+        lambda r: (r, world, str(tmp / "store"), str(tmp), scenario, options),
+        world,
+        tmp,
+        timeout_s,
+        unwaited=stalled,
+    )
 
 
 @pytest.fixture(scope="module")

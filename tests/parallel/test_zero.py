@@ -7,14 +7,13 @@ at the end, whatever happened.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import time
 from pathlib import Path
 from typing import Any
 
 import _zero_workers as w
 import pytest
 import torch
+from _ranks import spawn_ranks
 
 from tandem.parallel.zero import shard_layout
 
@@ -25,30 +24,10 @@ TOTAL = sum(p.numel() for p in w.model().parameters())
 
 
 def run_group(tmp: Path, world: int, timeout_s: float) -> list[dict[str, Any]]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=w.entry, args=(r, world, str(tmp / "store"), str(tmp)), daemon=True)
-        for r in range(world)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.pid is None:
-                continue
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    saved = spawn_ranks(w.entry, lambda r: (r, world, str(tmp / "store"), str(tmp)), world, tmp, timeout_s)
     results = []
-    for r in range(world):
-        path = tmp / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} of {world} left no result (crashed or timed out)"
-        res = torch.load(path, weights_only=False)
+    for r, res in enumerate(saved):
+        assert res is not None, f"rank {r} of {world} left no result (crashed or timed out)"
         assert "fatal" not in res, f"rank {r}: {res['fatal']}"
         results.append(res)
     return results

@@ -1,0 +1,43 @@
+"""Spawning the Gloo ranks of a multi-process test: every wait bounded, every process killed at the end,
+whatever happened. Each rank saves its result to ``<tmp>/rank<r>.pt``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def spawn_ranks(
+    target: Callable[..., None],
+    args: Callable[[int], tuple[Any, ...]],
+    world: int,
+    tmp: Path,
+    timeout_s: float,
+    unwaited: int | None = None,
+) -> list[Any]:
+    """Run ``target(*args(r))`` in a spawned process per rank ``r``; each rank's saved result, None where
+    a rank left none. Rank ``unwaited`` (one meant to stall) is not waited for, only killed."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args(r), daemon=True) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for r, p in enumerate(procs):
+            if r != unwaited:
+                p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.pid is None:  # never started
+                continue
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    paths = [tmp / f"rank{r}.pt" for r in range(world)]
+    return [torch.load(path, weights_only=False) if path.exists() else None for path in paths]
