@@ -10,7 +10,9 @@ instance of every launch in Python.
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +108,16 @@ def _compare(case: Case, dtype: torch.dtype, atol: float, rtol: float) -> None:
         torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=name)
 
 
+@pytest.fixture(params=["persistent", "per-step"])
+def kernel(request, monkeypatch):
+    """Each test that takes this fixture runs with both kinds of time loop, whatever the size."""
+    if TRITON_DEVICE is not None:
+        from tandem.ops.gru import triton as gru_triton
+
+        monkeypatch.setattr(gru_triton, "TIME_LOOP", request.param)
+    return request.param
+
+
 def test_triton_kernels_under_interpreter():
     run_under_interpreter(__file__)
 
@@ -118,7 +130,7 @@ def test_triton_kernel_is_what_runs():
 
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_triton_kernel_matches_torch_float64(case: Case):
+def test_triton_kernel_matches_torch_float64(case: Case, kernel: str):
     _compare(case, torch.float64, atol=1e-10, rtol=1e-10)
 
 
@@ -131,7 +143,7 @@ def test_triton_kernel_matches_torch_float32(case: Case, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_triton_kernel_half_precision_error_within_twice_torch_error(dtype: torch.dtype):
+def test_triton_kernel_half_precision_error_within_twice_torch_error(dtype: torch.dtype, kernel: str):
     """Inputs, weights and outputs in half precision, math in fp32: our error against float64 is at most
     twice that of torch.nn.GRU run in the same dtype on the same device."""
     case = Case(packed=True, hidden=20)
@@ -163,7 +175,7 @@ def _layer_inputs(batch_sizes: list[int], directions: int, hidden: int, dtype=to
 
 @needs_triton
 @pytest.mark.parametrize("directions", [1, 2], ids=["uni", "bi"])
-def test_triton_kernel_saved_buffers_equal_the_reference(directions: int):
+def test_triton_kernel_saved_buffers_equal_the_reference(directions: int, kernel: str):
     """Same saved gates, W_hn h + b_hn and states as the PyTorch kernel: either backward reads either
     forward's buffers."""
     args = _layer_inputs([4, 4, 2, 1], directions, hidden=6)
@@ -176,7 +188,7 @@ def test_triton_kernel_saved_buffers_equal_the_reference(directions: int):
 @needs_triton
 @pytest.mark.parametrize("used", ["y", "h_n"])
 @pytest.mark.parametrize("need_dx", [True, False], ids=["dx", "no-dx"])
-def test_triton_kernel_backward_with_one_output_used(used: str, need_dx: bool):
+def test_triton_kernel_backward_with_one_output_used(used: str, need_dx: bool, kernel: str):
     """An unused output's gradient arrives as None; dx is skipped when not needed."""
     x, bs, h0, w_ih, w_hh, b_ih, b_hh = _layer_inputs([3, 3, 1], 2, hidden=5)
     y, h_n, gates, hn, states = torch.ops.tandem.gru_fwd(x, bs, h0, w_ih, w_hh, b_ih, b_hh)
@@ -267,3 +279,90 @@ def test_sm90_build_uses_the_intended_matmuls(kernel: str, dtype: torch.dtype, t
     if dtype in (torch.bfloat16, torch.float16):
         t = "bf16" if dtype == torch.bfloat16 else "f16"
         assert re.search(rf"mma\S*\.f32\.{t}\.{t}\.f32", ptx), "no tensor-core matmul with fp32 accumulation"
+
+
+class _Spy:
+    """Counts the launches of a Triton kernel and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@needs_triton
+@pytest.mark.parametrize("hidden", [10, 20])
+def test_triton_kernel_persistent_where_the_weights_fit(hidden: int, monkeypatch):
+    """By default the persistent kernels run (one launch each way) where the table says a direction's
+    weights stay in registers, and one launch per step elsewhere: float64 H10 (BLOCK_H 16) and H20 (32)."""
+    from tandem.ops.gru import triton as gru_triton
+
+    names = ("_gru_fwd_persistent", "_gru_bwd_persistent", "_gru_fwd_step", "_gru_bwd_step")
+    spies = {name: _Spy(getattr(gru_triton, name)) for name in names}
+    for name, spy in spies.items():
+        monkeypatch.setattr(gru_triton, name, spy)
+    x, bs, h0, w_ih, w_hh, b_ih, b_hh = _layer_inputs([3, 2, 1], 2, hidden=hidden)
+    y, h_n, *saved = torch.ops.tandem.gru_fwd(x, bs, h0, w_ih, w_hh, b_ih, b_hh)
+    torch.ops.tandem.gru_bwd(torch.ones_like(y), None, x, bs, h0, w_ih, w_hh, y, *saved, True, True)
+    fits = hidden == 10
+    expected = [int(fits), int(fits), 0 if fits else 3, 0 if fits else 3]
+    assert [spy.launches for spy in spies.values()] == expected
+
+
+def test_persistent_kernels_take_the_hidden_sizes_in_the_table():
+    pytest.importorskip("triton")
+    from tandem.ops.gru import triton as gru_triton
+
+    def fits(kind, dtype, hidden):
+        return gru_triton._persistent_meta(kind, torch.empty(0, dtype=dtype), hidden) is not None
+
+    assert fits("fwd", torch.bfloat16, 64) and fits("bwd", torch.bfloat16, 50)
+    assert not fits("fwd", torch.bfloat16, 65) and not fits("bwd", torch.float16, 128)
+    assert fits("fwd", torch.float32, 32) and not fits("bwd", torch.float32, 33)
+    assert fits("bwd", torch.float64, 16) and not fits("fwd", torch.float64, 17)
+
+
+def _local_memory_bytes(cubin: bytes, tmp_path) -> int:
+    """The per-thread stack (spilled registers, local arrays) of a compiled kernel, by the cuobjdump
+    that ships with Triton."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip(f"no cuobjdump at {tool}")
+    (tmp_path / "kernel.cubin").write_bytes(cubin)
+    usage = subprocess.run([tool, "-res-usage", tmp_path / "kernel.cubin"], capture_output=True, text=True)
+    stack = re.search(r"STACK:(\d+)", usage.stdout)
+    assert stack, usage.stdout + usage.stderr
+    return int(stack.group(1))
+
+
+@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("precision", ["half", "tf32", "fp32", "fp64"])
+def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kind, precision, tmp_path):
+    """The largest hidden size of each entry of the persistent kernels' table compiles for sm_90 with
+    its num_warps and no local memory: the weights stay in registers, nothing spills."""
+    tl = pytest.importorskip("triton.language")
+    from tandem.ops.gru import triton as gru_triton
+
+    warps = gru_triton._PERSISTENT_WARPS[kind, precision]
+    block = max(warps)
+    dtype = {"half": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
+    fn = gru_triton._gru_fwd_persistent if kind == "fwd" else gru_triton._gru_bwd_persistent
+    constexprs = dict(H=block, COMPUTE=tl.float64 if precision == "fp64" else tl.float32, UPCAST=False)
+    constexprs |= dict(TF32=precision == "tf32", BLOCK_B=16, BLOCK_H=block)
+    if kind == "fwd":
+        constexprs["HAS_BIAS"] = True
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in ("n_steps", "batch", "total"):
+            signature[arg] = "i32"
+        else:
+            signature[arg] = "*i32" if arg == "step_rows" else "*" + _DTYPE_NAMES[dtype]
+    built = compile_sm90(fn, signature, constexprs, num_warps=warps[block], enable_fp_fusion=True)
+    assert _local_memory_bytes(built.asm["cubin"], tmp_path) == 0

@@ -27,17 +27,27 @@ which is right for the sequences that join at a step: those rows were never writ
 Float32 tiles are multiplied in TF32 on GPUs when ``torch.backends.cudnn.allow_tf32`` is set, as
 torch.nn.GRU's cuDNN kernels are, and exactly otherwise.
 
-Not yet done (no GPU was available to measure them): capturing the per-step launches in a CUDA graph
-or a persistent kernel for the hidden sizes whose weights fit on chip, and any tuning of the block
-sizes.
+Persistent kernels, for the small hidden sizes where a direction's three recurrent weight tiles stay in
+registers (``_PERSISTENT_WARPS``): one launch runs the whole time loop, grid ``(D, cdiv(B, BLOCK_B))``.
+A program owns every column of its rows, so the state (forward) or the carried gradient (backward)
+never leaves its registers and no program waits for another; the weights are read once. Each step's
+active rows and first packed row come from a small ``[2, T]`` table, and a block whose sequences have
+all ended (or, in reverse, not started) skips the step. Same saved buffers as the per-step kernels.
+
+Not yet done (no GPU was available to measure them): capturing the per-step launches in a CUDA graph,
+a persistent kernel for larger hidden sizes (weights spread over several programs, a grid-wide barrier
+per step), and any tuning of the block sizes. ``TIME_LOOP`` picks the loop for every size, for
+measuring one against the other.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem.ops._packed import PackedSteps
 from tandem.ops._triton_rnn import compute_dtype, dot, tf32, upcast
 from tandem.ops._workspace import scratch
 from tandem.ops.gru.reference import (
@@ -52,6 +62,26 @@ __all__ = ["gru_fwd_triton", "gru_bwd_triton"]
 # Untuned starting points (no GPU timing yet). FMA contraction on, and said so: Triton 3.10 turns its
 # default off, and the fused form is the more accurate one.
 LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=True)
+
+# Which time loop runs: "auto" (the persistent kernels where _PERSISTENT_WARPS has the hidden size, the
+# per-step kernels elsewhere), or "persistent" / "per-step" for every size (tests, benchmarks).
+TIME_LOOP = "auto"
+
+# The persistent kernels keep a direction's three recurrent weight tiles in registers for the whole
+# time loop. They run for the hidden sizes (padded to BLOCK_H) where the sm_90 build holds them without
+# spilling to local memory, with the num_warps that does it; found by compiling ahead of time (Triton
+# 3.9, `cuobjdump -res-usage`), checked by tests/ops/test_gru_triton.py. Keyed by kernel and precision
+# (see _precision); larger sizes spill (e.g. bf16 H128 with 8 or 16 warps) and run the per-step kernels.
+_PERSISTENT_WARPS = {
+    ("fwd", "half"): {16: 4, 32: 4, 64: 8},
+    ("bwd", "half"): {16: 4, 32: 4, 64: 8},
+    ("fwd", "tf32"): {16: 4, 32: 4, 64: 8},
+    ("bwd", "tf32"): {16: 4, 32: 4},
+    ("fwd", "fp32"): {16: 4, 32: 8},
+    ("bwd", "fp32"): {16: 4, 32: 8},
+    ("fwd", "fp64"): {16: 4},
+    ("bwd", "fp64"): {16: 4},
+}
 
 
 @triton.jit
@@ -184,6 +214,136 @@ def _gru_bwd_step(
     tl.store(carry_out + p_carry + rk[None, :], (acc + dh * z).to(carry_out.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _gru_fwd_persistent(
+    gates,  # [D, P, 3H]: in: the input projection (n part doubled); out: r, z, n
+    hn_out,  # [D, P, H]: out: W_hn h_prev + b_hn
+    states,  # [D, P, H]: out: the states
+    h0,  # [D, B, H]
+    w_hh,  # [D, 3H, H], contiguous
+    b_hn,  # [D, H] (b_hh's n part) or a dummy when not HAS_BIAS
+    step_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
+    n_steps,  # T
+    batch,  # B
+    total,  # P
+    H: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,  # see tandem.ops._triton_rnn
+    TF32: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= H: a program owns every column of its rows
+):
+    d = tl.program_id(0)
+    b0 = tl.program_id(1) * BLOCK_B
+    rb = b0 + tl.arange(0, BLOCK_B)
+    rj = tl.arange(0, BLOCK_H)
+    mj = rj < H
+    # W_hh^T of the three gates, [k, j] tiles read once and kept on chip for every step
+    p_w = w_hh + d * 3 * H * H + rj[None, :] * H + rj[:, None]
+    mw = mj[:, None] & mj[None, :]
+    w_r = tl.load(p_w, mask=mw, other=0.0)
+    w_z = tl.load(p_w + H * H, mask=mw, other=0.0)
+    w_n = tl.load(p_w + 2 * H * H, mask=mw, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(b_hn + d * H + rj, mask=mj, other=0.0).to(COMPUTE)
+    # the state, rounded to the buffers' dtype as the per-step kernel reads it back
+    m0 = (rb < batch)[:, None] & mj[None, :]
+    h = tl.load(h0 + d * batch * H + rb[:, None] * H + rj[None, :], mask=m0, other=0.0)
+    out_dtype = gates.dtype.element_ty
+    for s in range(0, n_steps):
+        n_rows = tl.load(step_rows + s)
+        if b0 < n_rows:  # sequences are sorted by length: a block's rows end together or stay ended
+            row0 = tl.load(step_rows + n_steps + s)
+            m = (rb < n_rows)[:, None] & mj[None, :]
+            acc_r = dot(h, w_r, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
+            acc_z = dot(h, w_z, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
+            hn = dot(h, w_n, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
+            if HAS_BIAS:
+                hn += bias[None, :]
+            p_g = gates + d * total * 3 * H + (row0 + rb)[:, None] * (3 * H) + rj[None, :]
+            r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + acc_r)
+            z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + acc_z)
+            n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * r * hn) - 1.0
+            h_new = n + z * (h.to(COMPUTE) - n)
+            tl.store(p_g, r.to(out_dtype), mask=m)
+            tl.store(p_g + H, z.to(out_dtype), mask=m)
+            tl.store(p_g + 2 * H, n.to(out_dtype), mask=m)
+            p_row = d * total * H + (row0 + rb)[:, None] * H + rj[None, :]
+            tl.store(hn_out + p_row, hn.to(out_dtype), mask=m)
+            h = h_new.to(out_dtype)
+            tl.store(states + p_row, h, mask=m)
+
+
+@triton.jit
+def _gru_bwd_persistent(
+    dh_n,  # [D, B, H]: dL/dh_n, each sequence's carried gradient from its last step on
+    dh0,  # [D, B, H]: out: dL/dh0
+    grad_out,  # [D, P, H]: the output's gradient, step-packed
+    gates,  # [D, P, 3H]: r, z, n
+    hn,  # [D, P, H]: W_hn h_prev + b_hn
+    states,  # [D, P, H]: the states
+    w_hh,  # [D, 3H, H], contiguous
+    dgates,  # [D, P, 3H]: out: dr, dz, dn * r (pre-activation, hidden side)
+    dn_in,  # [D, P, H]: out: dn (pre-activation, input side)
+    step_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
+    n_steps,  # T
+    batch,  # B
+    total,  # P
+    H: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,  # see tandem.ops._triton_rnn
+    TF32: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= H: a program owns every column of its rows
+):
+    d = tl.program_id(0)
+    b0 = tl.program_id(1) * BLOCK_B
+    rb = b0 + tl.arange(0, BLOCK_B)
+    rj = tl.arange(0, BLOCK_H)
+    mj = rj < H
+    # W_hh of the three gates, [j, k] tiles read once and kept on chip for every step
+    p_w = w_hh + d * 3 * H * H + rj[:, None] * H + rj[None, :]
+    mw = mj[:, None] & mj[None, :]
+    w_r = tl.load(p_w, mask=mw, other=0.0)
+    w_z = tl.load(p_w + H * H, mask=mw, other=0.0)
+    w_n = tl.load(p_w + 2 * H * H, mask=mw, other=0.0)
+    p_carry = d * batch * H + rb[:, None] * H + rj[None, :]
+    m_carry = (rb < batch)[:, None] & mj[None, :]
+    carry = tl.load(dh_n + p_carry, mask=m_carry, other=0.0).to(COMPUTE)
+    dt = gates.dtype.element_ty
+    for i in range(0, n_steps):
+        s = n_steps - 1 - i
+        n_rows = tl.load(step_rows + s)
+        if b0 < n_rows:
+            row0 = tl.load(step_rows + n_steps + s)
+            mb = rb < n_rows
+            m = mb[:, None] & mj[None, :]
+            p_row = d * total * H + (row0 + rb)[:, None] * H + rj[None, :]
+            p_row3 = d * total * 3 * H + (row0 + rb)[:, None] * (3 * H) + rj[None, :]
+            dh = carry + tl.load(grad_out + p_row, mask=m, other=0.0).to(COMPUTE)
+            r = tl.load(gates + p_row3, mask=m, other=0.0).to(COMPUTE)
+            z = tl.load(gates + p_row3 + H, mask=m, other=0.0).to(COMPUTE)
+            n = tl.load(gates + p_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
+            h = tl.load(states + p_row, mask=m, other=0.0).to(COMPUTE)
+            a = dh * (1.0 - z)
+            dz = a * (h - n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
+            dn = a * (1.0 - n * n)
+            dn_h = dn * r
+            dr = dn_h * tl.load(hn + p_row, mask=m, other=0.0).to(COMPUTE) * (1.0 - r)
+            dr, dz, dn_h = dr.to(dt), dz.to(dt), dn_h.to(dt)
+            tl.store(dgates + p_row3, dr, mask=m)
+            tl.store(dgates + p_row3 + H, dz, mask=m)
+            tl.store(dgates + p_row3 + 2 * H, dn_h, mask=m)
+            tl.store(dn_in + p_row, dn.to(dt), mask=m)
+            acc = dot(dr, w_r, dh * z, UPCAST, TF32)
+            acc = dot(dz, w_z, acc, UPCAST, TF32)
+            acc = dot(dn_h, w_n, acc, UPCAST, TF32)
+            # rows that have not started yet (shorter sequences) keep their dh_n
+            carry = tl.where(mb[:, None], acc, carry)
+    tl.store(dh0 + p_carry, carry.to(dh0.dtype.element_ty), mask=m_carry)
+
+
 def _temporaries(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
     """Uninitialised temporaries: from the reused CPU workspace for CPU tensors (the interpreter), from
     torch's caching allocator on GPUs (which already reuses memory, without keeping it)."""
@@ -194,6 +354,37 @@ def _temporaries(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
 
 def _block(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+def _common_meta(x: Tensor, hid: int) -> dict:
+    return dict(H=hid, COMPUTE=compute_dtype(x.dtype)[1], UPCAST=upcast(x), TF32=tf32(x))
+
+
+def _precision(x: Tensor) -> str:
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return "half"
+    if x.dtype == torch.float64:
+        return "fp64"
+    return "tf32" if tf32(x) else "fp32"
+
+
+def _persistent_meta(kind: str, x: Tensor, hid: int) -> dict | None:
+    """Block sizes and launch options of the persistent ``kind`` ("fwd"/"bwd") kernel for ``x`` and
+    hidden size ``hid``, or None where the per-step kernels run (see TIME_LOOP, _PERSISTENT_WARPS)."""
+    if TIME_LOOP == "per-step":
+        return None
+    block = _block(hid, 16, 1 << 30)
+    warps = _PERSISTENT_WARPS[kind, _precision(x)].get(block)
+    if warps is None:
+        if TIME_LOOP != "persistent":
+            return None
+        warps = 8
+    return dict(BLOCK_B=16, BLOCK_H=block, num_warps=warps, enable_fp_fusion=True)
+
+
+def _step_rows(steps: PackedSteps, device: torch.device) -> Tensor:
+    """``[2, T]`` int32 on ``device``: the active sequences of each step, then its first step-packed row."""
+    return torch.tensor([steps.sizes, steps.offsets], dtype=torch.int32, device=device)
 
 
 def gru_fwd_triton(
@@ -213,18 +404,18 @@ def gru_fwd_triton(
     w_hh = w_hh.contiguous()
     b_hn = b_hh[:, 2 * hid :].contiguous() if b_hh is not None else w_hh
     total = x.shape[0]
+    meta = _common_meta(x, hid) | dict(HAS_BIAS=b_hh is not None)
+    persistent = _persistent_meta("fwd", x, hid)
+    if persistent:
+        grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
+        rows = _step_rows(steps, x.device)
+        _gru_fwd_persistent[grid](
+            gates, hn, states, h0, w_hh, b_hn, rows, len(steps.sizes), batch, total, **meta, **persistent
+        )
+        return gru_fwd_epilogue(steps, y, gates, hn, states)
+
     block_b, block_h = _block(batch, 16, 32), _block(hid, 16, 64)
-    meta = dict(
-        H=hid,
-        HAS_BIAS=b_hh is not None,
-        COMPUTE=compute_dtype(x.dtype)[1],
-        UPCAST=upcast(x),
-        TF32=tf32(x),
-        BLOCK_B=block_b,
-        BLOCK_H=block_h,
-        BLOCK_K=_block(hid, 16, 32),
-        **LAUNCH_OPTIONS,
-    )
+    meta |= dict(BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_K=_block(hid, 16, 32), **LAUNCH_OPTIONS)
     prev, stride_prev, prev_row0 = h0, batch * hid, 0
     for s, n in enumerate(steps.sizes):
         grid = (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_h))
@@ -266,28 +457,29 @@ def gru_bwd_triton(
     steps, states, grad_out, dh_n = gru_bwd_prologue(dy, dh_n, x, batch_sizes, h0, y, states, grad_steps)
     grad_out = grad_out.contiguous()
     w_hh = w_hh.contiguous()
-    carry_dtype = compute_dtype(x.dtype)[0]
-    carry = [dh_n.to(carry_dtype, copy=True).contiguous() for _ in range(2)]
-    block_b, block_k = _block(batch, 16, 32), _block(hid, 16, 64)
-    meta = dict(
-        H=hid,
-        COMPUTE=compute_dtype(x.dtype)[1],
-        UPCAST=upcast(x),
-        TF32=tf32(x),
-        BLOCK_B=block_b,
-        BLOCK_J=_block(hid, 16, 32),
-        BLOCK_K=block_k,
-        **LAUNCH_OPTIONS,
-    )
-    for i, s in enumerate(range(len(steps.sizes) - 1, -1, -1)):
-        n = steps.sizes[s]
-        grid = (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_k))
-        src, dst = carry[i % 2], carry[(i + 1) % 2]
-        _gru_bwd_step[grid](
-            src, dst, grad_out, gates, hn, states, w_hh, dgates, dn_in, steps.offsets[s], n, batch, total,
-            **meta,
+    meta = _common_meta(x, hid)
+    persistent = _persistent_meta("bwd", x, hid)
+    if persistent:
+        dh0 = torch.empty_like(h0)
+        grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
+        rows = _step_rows(steps, x.device)
+        _gru_bwd_persistent[grid](
+            dh_n.contiguous(), dh0, grad_out, gates, hn, states, w_hh, dgates, dn_in, rows, len(steps.sizes),
+            batch, total, **meta, **persistent,
         )  # fmt: skip
-    dh0 = carry[len(steps.sizes) % 2].to(h0.dtype)
+    else:
+        carry = [dh_n.to(compute_dtype(x.dtype)[0], copy=True).contiguous() for _ in range(2)]
+        block_b, block_k = _block(batch, 16, 32), _block(hid, 16, 64)
+        meta |= dict(BLOCK_B=block_b, BLOCK_J=_block(hid, 16, 32), BLOCK_K=block_k, **LAUNCH_OPTIONS)
+        for i, s in enumerate(range(len(steps.sizes) - 1, -1, -1)):
+            n = steps.sizes[s]
+            grid = (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_k))
+            src, dst = carry[i % 2], carry[(i + 1) % 2]
+            _gru_bwd_step[grid](
+                src, dst, grad_out, gates, hn, states, w_hh, dgates, dn_in, steps.offsets[s], n, batch,
+                total, **meta,
+            )  # fmt: skip
+        dh0 = carry[len(steps.sizes) % 2].to(h0.dtype)
     dx, dw_ih, dw_hh, db_ih, db_hh = gru_bwd_epilogue(
         steps, x, h0, w_ih, states, dgates, dn_in, has_bias, need_dx, xs, h_prev
     )
