@@ -76,6 +76,13 @@ def test_rows_quantiles_and_speedup(fake_mm):
     assert len(lines) == 4 and lines[0].startswith("[1/4] fake_mm n64 fwd torch: ")
 
 
+def test_a_provider_that_does_not_apply_gets_no_row(fake_mm):
+    """A factory returning None (a variant for another device) is left out of that case's rows."""
+    fake_mm.providers["gpu-variant"] = lambda params, device, mode: None if device.type == "cpu" else 1
+    rows = runner.run_benchmarks(["fake_mm"], quick=True, **FAST)
+    assert [(r.shape, r.provider) for r in rows] == [("n64", "torch"), ("n64", "tandem")]
+
+
 def test_quick_keeps_only_quick_shapes(fake_mm):
     rows = runner.run_benchmarks(["fake_mm"], quick=True, **FAST)
     assert {r.shape for r in rows} == {"n64"}

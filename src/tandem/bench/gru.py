@@ -17,8 +17,9 @@ from tandem.bench.registry import OpBench, Shape, register
 
 __all__ = ["GRU_BENCH"]
 
-# The GPU grid (shapes of the Triton kernels' issue): float32 and bfloat16, uni- and bidirectional.
-_GPU_SIZES = ((1024, 16, 768, 768), (100, 32, 512, 512), (200, 64, 1024, 1024))  # T, B, I, H
+# The GPU grid (shapes of the Triton kernels' issue): float32 and bfloat16, uni- and bidirectional; the
+# last size is one where the persistent kernels run (tandem train's default model is H64).
+_GPU_SIZES = ((1024, 16, 768, 768), (100, 32, 512, 512), (200, 64, 1024, 1024), (100, 32, 64, 64))  # T B I H
 
 
 def _shape(
@@ -32,8 +33,12 @@ def _shape(
     return Shape(name, params, quick=quick, devices=devices)
 
 
-def _provider(cls: type[torch.nn.Module]):
+def _provider(cls: type[torch.nn.Module], time_loop: str | None = None):
+    """``time_loop``: run tandem's Triton kernels with this TIME_LOOP (CUDA only; None elsewhere)."""
+
     def factory(p: dict[str, Any], device: torch.device, mode: str):
+        if time_loop is not None and device.type != "cuda":
+            return None
         dtype = getattr(torch, p["dtype"])
         model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device, dtype=dtype)
         x = torch.randn(p["T"], p["B"], p["I"], device=device, dtype=dtype)
@@ -54,7 +59,20 @@ def _provider(cls: type[torch.nn.Module]):
             with torch.no_grad():
                 model(inp)
 
-        return train if mode == "train" else forward
+        thunk = train if mode == "train" else forward
+        if time_loop is None:
+            return thunk
+
+        def with_time_loop() -> None:
+            from tandem.ops.gru import triton as gru_triton
+
+            saved, gru_triton.TIME_LOOP = gru_triton.TIME_LOOP, time_loop
+            try:
+                thunk()
+            finally:
+                gru_triton.TIME_LOOP = saved
+
+        return with_time_loop
 
     return factory
 
@@ -62,7 +80,12 @@ def _provider(cls: type[torch.nn.Module]):
 GRU_BENCH = register(
     OpBench(
         op="gru",
-        providers={"torch": _provider(torch.nn.GRU), "tandem": _provider(tandem.nn.GRU)},
+        providers={
+            "torch": _provider(torch.nn.GRU),
+            "tandem": _provider(tandem.nn.GRU),
+            # on CUDA: the per-step kernels also where the persistent ones run by default
+            "tandem-per-step": _provider(tandem.nn.GRU, time_loop="per-step"),
+        },
         shapes=(
             _shape(50, 32, 128, 256, quick=True),
             _shape(50, 32, 128, 256, bi=True, quick=True),

@@ -2,8 +2,9 @@
 
 A provider is a factory ``(params, device, mode) -> thunk``: it builds the module, inputs and anything
 else outside the timed region and returns a zero-argument callable that runs one measured unit (for
-example one training step). The runner times every provider of a shape side by side in one process and
-reports the speedup of each provider over ``baseline``.
+example one training step), or None where it does not apply (a variant that exists on one device
+only). The runner times every provider of a shape side by side in one process and reports the speedup
+of each provider over ``baseline``.
 """
 
 from __future__ import annotations

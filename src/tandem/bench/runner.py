@@ -310,7 +310,9 @@ def _measure_case(
     thunks = {}
     for name, factory in bench.providers.items():
         try:
-            thunks[name] = factory(dict(shape.params), device, mode)
+            thunk = factory(dict(shape.params), device, mode)
+            if thunk is not None:  # None: this provider does not apply to this case
+                thunks[name] = thunk
         except Exception as e:
             raise RuntimeError(
                 f"bench {bench.op!r}: provider {name!r} failed to build {shape.id} ({mode}): "
