@@ -59,9 +59,9 @@ from tandem.ops.gru.reference import (
 
 __all__ = ["gru_fwd_triton", "gru_bwd_triton"]
 
-# Untuned starting points (no GPU timing yet). FMA contraction on, and said so: Triton 3.10 turns its
-# default off, and the fused form is the more accurate one.
-LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=True)
+# FMA contraction on, and said so: Triton 3.10 turns its default off, and the fused form is the more
+# accurate one.
+_FMA = dict(enable_fp_fusion=True)
 
 # Which time loop runs: "auto" (the persistent kernels where _PERSISTENT_WARPS has the hidden size, the
 # per-step kernels elsewhere), or "persistent" / "per-step" for every size (tests, benchmarks).
@@ -360,6 +360,16 @@ def _common_meta(x: Tensor, hid: int) -> dict:
     return dict(H=hid, COMPUTE=compute_dtype(x.dtype)[1], UPCAST=upcast(x), TF32=tf32(x))
 
 
+def _step_meta(kind: str, dtype: torch.dtype, batch: int, hid: int) -> dict:
+    """Block sizes and launch options of the per-step ``kind`` ("fwd"/"bwd") kernel. Untuned (no GPU
+    timing yet) but spill-free in the sm_90 build (checked by the tests): the backward needs 8 warps
+    (4: 255 registers and a 64-byte stack for float32 at BLOCK_B 32), float64 rows blocks of 16."""
+    meta = dict(BLOCK_B=_block(batch, 16, 16 if dtype == torch.float64 else 32), **_FMA)
+    if kind == "fwd":
+        return meta | dict(BLOCK_H=_block(hid, 16, 64), BLOCK_K=_block(hid, 16, 32), num_warps=4)
+    return meta | dict(BLOCK_J=_block(hid, 16, 32), BLOCK_K=_block(hid, 16, 64), num_warps=8)
+
+
 def _precision(x: Tensor) -> str:
     if x.dtype in (torch.bfloat16, torch.float16):
         return "half"
@@ -379,7 +389,7 @@ def _persistent_meta(kind: str, x: Tensor, hid: int) -> dict | None:
         if TIME_LOOP != "persistent":
             return None
         warps = 8
-    return dict(BLOCK_B=16, BLOCK_H=block, num_warps=warps, enable_fp_fusion=True)
+    return dict(BLOCK_B=16, BLOCK_H=block, num_warps=warps, **_FMA)
 
 
 def _step_rows(steps: PackedSteps, device: torch.device) -> Tensor:
@@ -414,11 +424,10 @@ def gru_fwd_triton(
         )
         return gru_fwd_epilogue(steps, y, gates, hn, states)
 
-    block_b, block_h = _block(batch, 16, 32), _block(hid, 16, 64)
-    meta |= dict(BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_K=_block(hid, 16, 32), **LAUNCH_OPTIONS)
+    meta |= _step_meta("fwd", x.dtype, batch, hid)
     prev, stride_prev, prev_row0 = h0, batch * hid, 0
     for s, n in enumerate(steps.sizes):
-        grid = (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_h))
+        grid = (d_, triton.cdiv(n, meta["BLOCK_B"]), triton.cdiv(hid, meta["BLOCK_H"]))
         row0 = steps.offsets[s]
         _gru_fwd_step[grid](
             gates, hn, states, prev, stride_prev, prev_row0, w_hh, b_hn, row0, n, total, **meta
@@ -469,11 +478,10 @@ def gru_bwd_triton(
         )  # fmt: skip
     else:
         carry = [dh_n.to(compute_dtype(x.dtype)[0], copy=True).contiguous() for _ in range(2)]
-        block_b, block_k = _block(batch, 16, 32), _block(hid, 16, 64)
-        meta |= dict(BLOCK_B=block_b, BLOCK_J=_block(hid, 16, 32), BLOCK_K=block_k, **LAUNCH_OPTIONS)
+        meta |= _step_meta("bwd", x.dtype, batch, hid)
         for i, s in enumerate(range(len(steps.sizes) - 1, -1, -1)):
             n = steps.sizes[s]
-            grid = (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_k))
+            grid = (d_, triton.cdiv(n, meta["BLOCK_B"]), triton.cdiv(hid, meta["BLOCK_K"]))
             src, dst = carry[i % 2], carry[(i + 1) % 2]
             _gru_bwd_step[grid](
                 src, dst, grad_out, gates, hn, states, w_hh, dgates, dn_in, steps.offsets[s], n, batch,
