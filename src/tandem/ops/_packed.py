@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tandem._device import to_device
+
 __all__ = ["PackedSteps"]
 
 
@@ -62,11 +64,11 @@ class PackedSteps:
             lengths = (bs.unsqueeze(0) > torch.arange(batch).unsqueeze(1)).sum(1)  # [B]
             if directions == 2:
                 frame = lengths[seq_of_row] - 1 - step_of_row
-                rev_rows = (off[frame] + seq_of_row).to(device)
+                rev_rows = to_device(off[frame] + seq_of_row, device)
             # rows of cat(h0, states): [0, B) hold h0, step s occupies B + offsets[s] + [0, sizes[s])
             prev_start = torch.cat([torch.zeros(1, dtype=torch.long), batch + off[:-1]])
-            prev_rows = (prev_start[step_of_row] + seq_of_row).to(device)
-            last_rows = (off[lengths - 1] + torch.arange(batch)).to(device)
+            prev_rows = to_device(prev_start[step_of_row] + seq_of_row, device)
+            last_rows = to_device(off[lengths - 1] + torch.arange(batch), device)
         return PackedSteps(sizes, offsets, uniform, rev_rows, prev_rows, last_rows)
 
     def split(self, t: Tensor, dim: int = 1) -> tuple[Tensor, ...]:

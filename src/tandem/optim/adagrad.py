@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from tandem.ops.adagrad import adagrad_unchecked, to_device
+from tandem._device import to_device
+from tandem.ops.adagrad import adagrad_unchecked
 
 __all__ = ["Adagrad"]
 

@@ -6,10 +6,11 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from tandem._device import to_device
 from tandem.ops.adagrad.op import adagrad_step_dispatch
 from tandem.ops.adagrad.reference import adagrad_tensor_ref
 
-__all__ = ["adagrad", "adagrad_unchecked", "to_device"]
+__all__ = ["adagrad", "adagrad_unchecked"]
 
 
 def adagrad(
@@ -157,11 +158,6 @@ def adagrad_unchecked(
 def _on(x: Tensor | None, device: torch.device) -> Tensor | None:
     """AMP's scalars on ``device`` (a no-op when already there; torch's fused path copies them likewise)."""
     return None if x is None else to_device(x, device)
-
-
-def to_device(x: Tensor, device: torch.device) -> Tensor:
-    """``x`` on ``device`` without waiting for the GPU, except into CPU memory, read right after."""
-    return x.to(device, non_blocking=device.type != "cpu")
 
 
 def _check(i: int, p: Tensor, g: Tensor, s: Tensor, t: Tensor) -> None:

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem._device import to_device
 from tandem.ops._packed import PackedSteps
 from tandem.ops._triton_rnn import compute_dtype, dot, tf32, upcast
 from tandem.ops._workspace import scratch
@@ -394,7 +395,7 @@ def _persistent_meta(kind: str, x: Tensor, hid: int) -> dict | None:
 
 def _step_rows(steps: PackedSteps, device: torch.device) -> Tensor:
     """``[2, T]`` int32 on ``device``: the active sequences of each step, then its first step-packed row."""
-    return torch.tensor([steps.sizes, steps.offsets], dtype=torch.int32, device=device)
+    return to_device(torch.tensor([steps.sizes, steps.offsets], dtype=torch.int32), device)
 
 
 def gru_fwd_triton(
