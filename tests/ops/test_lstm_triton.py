@@ -422,6 +422,36 @@ def test_triton_kernel_persistent_where_the_weights_fit(hidden, proj, time_loop,
     assert tuple(spy.launches for spy in spies.values()) == expected
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_kernel_persistent_equals_per_step_in_half_precision(dtype, monkeypatch):
+    """Both time loops round h and C to the buffers' dtype between steps and take the same products in the
+    same order (H20: one 32-wide tile each way), so under the interpreter every output and saved buffer is
+    equal bit for bit; a GPU build may contract and order its float32 math differently, by an ulp or so."""
+    from tandem.ops.lstm import triton as lstm_triton
+
+    case = Case(bidirectional=True, input="packed-unsorted", steps=6, batch=18, hidden=20)
+    args = _op_inputs(case, dtype)
+    x, bs, h0, c0, w_ih, w_hh, _, _, w_hr = args
+    gen = torch.Generator().manual_seed(1)
+    results = []
+    for time_loop in ("persistent", "per-step"):
+        monkeypatch.setattr(lstm_triton, "TIME_LOOP", time_loop)
+        y, h_n, c_n, *saved = lstm_triton.lstm_fwd_triton(*args)
+        if not results:
+            grads = [torch.randn(t.shape, generator=gen).to(t) for t in (y, h_n, c_n)]
+        grad = lstm_triton.lstm_bwd_triton(*grads, x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, True, True)
+        results.append((y, h_n, c_n, *saved, *grad))
+    names = ["y", "h_n", "c_n", "gates", "cells", "hr", "states", "dx", "dh0", "dc0", "dw_ih", "dw_hh"]
+    names += ["db_ih", "db_hh", "dw_hr"]
+    exact = TRITON_DEVICE == "cpu"
+    for name, a, b in zip(names, *results):
+        if exact:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=name)
+
+
 def test_persistent_kernels_take_the_hidden_sizes_in_the_table():
     pytest.importorskip("triton")
     from tandem.ops.lstm import triton as lstm_triton

@@ -333,8 +333,8 @@ def _lstm_bwd_persistent(
     p_dy,  # [D, P, H] the outputs' dL/dh, step-packed (read only if HAS_DY)
     p_dhn,  # [D, B, H] dL/dh_n
     p_dcn,  # [D, B, H] dL/dc_n
-    p_dh0,  # [D, B, H] out: dL/dh0
-    p_dc0,  # [D, B, H] out: dL/dc0
+    p_dh0,  # [D, B, H] out: dL/dh0 (in the compute dtype)
+    p_dc0,  # [D, B, H] out: dL/dc0 (in the compute dtype)
     p_dz,  # [D, P, 4H] out: dL/dz of the (g-doubled) pre-activations
     p_w,  # [D, 4H, H] W_hh with the g rows doubled, contiguous
     p_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
@@ -550,7 +550,9 @@ def lstm_bwd_triton(
 
     persistent = _persistent_meta("bwd", x, hid, w_hr is not None)
     if persistent:
-        dh0, dc0 = x.new_empty(d_, batch, hid), x.new_empty(d_, batch, hid)
+        # dh0 and dc0 in the compute dtype, rounded here as the per-step path rounds its carries (Triton's
+        # interpreter rounds float32 to bfloat16 toward zero, torch and the GPU build to nearest even)
+        dh0, dc0 = (torch.empty(d_, batch, hid, dtype=compute, device=x.device) for _ in range(2))
         dh_n = dh_n.contiguous() if dh_n is not None else x.new_zeros(d_, batch, hid)
         dc_n = dc_n.contiguous() if dc_n is not None else x.new_zeros(d_, batch, hid)
         grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
@@ -559,6 +561,7 @@ def lstm_bwd_triton(
             step_rows(steps, x.device), len(sizes), batch, total, H=hid, HAS_DY=grad_h is not None,
             COMPUTE=tl_compute, UPCAST=upcast(x), TF32=tf32(x), **persistent,
         )  # fmt: skip
+        dh0, dc0 = dh0.to(x.dtype), dc0.to(x.dtype)
     else:
         block_b, block_h, block_r = _blocks(batch, hid, out_size)
 
