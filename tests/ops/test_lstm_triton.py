@@ -9,6 +9,7 @@ process they are skipped. Shapes stay tiny: the interpreter runs every program i
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -479,24 +480,30 @@ def test_persistent_kernels_take_the_hidden_sizes_in_the_table():
 @pytest.mark.parametrize("precision", ["half", "tf32", "fp32", "fp64"])
 def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kind, precision, tmp_path):
     """Every hidden size of each entry of the persistent kernels' table compiles for sm_90 with its
-    num_warps and no local memory: the four weight tiles stay in registers, nothing spills."""
+    num_warps and no local memory (both half dtypes; the backward with and without dy): the four weight
+    tiles stay in registers, nothing spills."""
     tl = pytest.importorskip("triton.language")
     from tandem.ops.lstm import triton as lstm_triton
 
-    dtype = {"half": "bf16", "fp64": "fp64"}.get(precision, "fp32")
     fn = getattr(lstm_triton, f"_lstm_{kind}_persistent")
-    for block, warps in lstm_triton._PERSISTENT_WARPS[kind, precision].items():
-        constexprs = dict(H=block, COMPUTE=tl.float64 if precision == "fp64" else tl.float32, UPCAST=False)
+    compute = "fp64" if precision == "fp64" else "fp32"
+    dtypes = {"half": ["bf16", "fp16"], "fp64": ["fp64"]}.get(precision, ["fp32"])
+    variants = [dict(HAS_DY=True), dict(HAS_DY=False)] if kind == "bwd" else [{}]
+    for (block, warps), dtype, variant in itertools.product(
+        lstm_triton._PERSISTENT_WARPS[kind, precision].items(), dtypes, variants
+    ):
+        constexprs = dict(H=block, COMPUTE=getattr(tl, f"float{compute[2:]}"), UPCAST=False, **variant)
         constexprs |= dict(TF32=precision == "tf32", BLOCK_B=16, BLOCK_H=block)
-        if kind == "bwd":
-            constexprs["HAS_DY"] = True
         signature = {}
         for arg in fn.arg_names:
             if arg in constexprs:
                 signature[arg] = "constexpr"
             elif arg[:2] != "p_":
                 signature[arg] = "i32"
+            elif arg in ("p_dh0", "p_dc0"):  # written in the compute dtype
+                signature[arg] = f"*{compute}"
             else:
                 signature[arg] = "*i32" if arg == "p_rows" else f"*{dtype}"
         built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
-        assert local_memory_bytes(built.asm["cubin"], tmp_path) == 0, f"BLOCK_H {block}, {warps} warps"
+        stack = local_memory_bytes(built.asm["cubin"], tmp_path)
+        assert stack == 0, f"{dtype} BLOCK_H {block}, {warps} warps {variant}: {stack} bytes of stack"

@@ -86,15 +86,16 @@ TIME_LOOP = "auto"
 
 # The persistent kernels keep a direction's four recurrent weight tiles in registers for the whole time
 # loop. They run for the hidden sizes (padded to BLOCK_H) where the sm_90 build holds them without
-# spilling to local memory, with the fewest num_warps that does it (8 rather than 4 for the float32
-# forward at 32, whose 4-warp build sits at 254 registers: as the GRU's); found by compiling ahead of
-# time (Triton 3.9, `cuobjdump -res-usage`), checked by tests/ops/test_lstm_triton.py. Keyed by kernel
-# and precision (tandem.ops._triton_rnn.precision). Four tiles instead of the GRU's three, and a
-# backward that holds two carries: larger sizes spill (bf16 forward H128, backward H64, with 4, 8 or
-# 16 warps) and run the per-step kernels.
+# spilling to local memory (bfloat16 and float16 alike for "half"), with the fewest num_warps that does
+# it: 8 rather than 4 for the float32 forward at 32, whose 4-warp build sits at 254 registers (as the
+# GRU's), and for the half backward at 16, whose float16 4-warp build spills one register. Found by
+# compiling ahead of time (Triton 3.9, `cuobjdump -res-usage`), checked by tests/ops/test_lstm_triton.py.
+# Keyed by kernel and precision (tandem.ops._triton_rnn.precision). Four tiles instead of the GRU's
+# three, and a backward that holds two carries: larger sizes spill (half forward H128, backward H64,
+# with 4, 8 or 16 warps) and run the per-step kernels.
 _PERSISTENT_WARPS = {
     ("fwd", "half"): {16: 4, 32: 4, 64: 8},
-    ("bwd", "half"): {16: 4, 32: 8},
+    ("bwd", "half"): {16: 8, 32: 8},
     ("fwd", "tf32"): {16: 4, 32: 4, 64: 8},
     ("bwd", "tf32"): {16: 4},
     ("fwd", "fp32"): {16: 4, 32: 8},
