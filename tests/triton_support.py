@@ -4,6 +4,7 @@ Triton's interpreter in a fresh process (the env vars must be set before tandem 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,14 @@ import torch
 
 from tandem import _backend
 
-__all__ = ["TRITON_DEVICE", "compile_sm90", "needs_triton", "run_under_interpreter"]
+__all__ = [
+    "TRITON_DEVICE",
+    "LaunchCounter",
+    "compile_sm90",
+    "local_memory_bytes",
+    "needs_triton",
+    "run_under_interpreter",
+]
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -60,3 +68,29 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, **options):
         pytest.skip(f"no ahead-of-time compiler API in this Triton: {e}")
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def local_memory_bytes(cubin: bytes, tmp_path: Path) -> int:
+    """The per-thread stack (spilled registers, local arrays) of a compiled kernel, by the cuobjdump
+    that ships with Triton."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip(f"no cuobjdump at {tool}")
+    (tmp_path / "kernel.cubin").write_bytes(cubin)
+    usage = subprocess.run([tool, "-res-usage", tmp_path / "kernel.cubin"], capture_output=True, text=True)
+    stack = re.search(r"STACK:(\d+)", usage.stdout)
+    assert stack, usage.stdout + usage.stderr
+    return int(stack.group(1))
+
+
+class LaunchCounter:
+    """Counts the launches of a Triton kernel and forwards them (monkeypatched over the kernel)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]

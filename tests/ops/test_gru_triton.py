@@ -10,9 +10,7 @@ instance of every launch in Python.
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,14 @@ from torch.nn.utils.rnn import pack_padded_sequence
 import tandem
 from tandem import _backend
 from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref
-from triton_support import TRITON_DEVICE, compile_sm90, needs_triton, run_under_interpreter
+from triton_support import (
+    TRITON_DEVICE,
+    LaunchCounter,
+    compile_sm90,
+    local_memory_bytes,
+    needs_triton,
+    run_under_interpreter,
+)
 
 
 @dataclass(frozen=True)
@@ -278,24 +283,13 @@ def test_sm90_build_uses_the_intended_matmuls(kernel: str, dtype: torch.dtype, t
     """Exact float32 stays off TF32 and TF32 takes it when asked; half inputs take the tensor cores with
     float32 accumulation; every build compiles for sm_90, and nothing spills to local memory."""
     built = _compile_gru_sm90(kernel, dtype, tf32)
-    assert _local_memory_bytes(built.asm["cubin"], tmp_path) == 0
+    assert local_memory_bytes(built.asm["cubin"], tmp_path) == 0
     ptx = built.asm["ptx"]
     if dtype == torch.float32:
         assert ("tf32" in ptx) == tf32
     if dtype in (torch.bfloat16, torch.float16):
         t = "bf16" if dtype == torch.bfloat16 else "f16"
         assert re.search(rf"mma\S*\.f32\.{t}\.{t}\.f32", ptx), "no tensor-core matmul with fp32 accumulation"
-
-
-class _Spy:
-    """Counts the launches of a Triton kernel and forwards them."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
 
 
 @needs_triton
@@ -306,7 +300,7 @@ def test_triton_kernel_persistent_where_the_weights_fit(hidden: int, monkeypatch
     from tandem.ops.gru import triton as gru_triton
 
     names = ("_gru_fwd_persistent", "_gru_bwd_persistent", "_gru_fwd_step", "_gru_bwd_step")
-    spies = {name: _Spy(getattr(gru_triton, name)) for name in names}
+    spies = {name: LaunchCounter(getattr(gru_triton, name)) for name in names}
     for name, spy in spies.items():
         monkeypatch.setattr(gru_triton, name, spy)
     x, bs, h0, w_ih, w_hh, b_ih, b_hh = _layer_inputs([3, 2, 1], 2, hidden=hidden)
@@ -328,21 +322,6 @@ def test_persistent_kernels_take_the_hidden_sizes_in_the_table():
     assert not fits("fwd", torch.bfloat16, 65) and not fits("bwd", torch.float16, 128)
     assert fits("fwd", torch.float32, 32) and not fits("bwd", torch.float32, 33)
     assert fits("bwd", torch.float64, 16) and not fits("fwd", torch.float64, 17)
-
-
-def _local_memory_bytes(cubin: bytes, tmp_path) -> int:
-    """The per-thread stack (spilled registers, local arrays) of a compiled kernel, by the cuobjdump
-    that ships with Triton."""
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip(f"no cuobjdump at {tool}")
-    (tmp_path / "kernel.cubin").write_bytes(cubin)
-    usage = subprocess.run([tool, "-res-usage", tmp_path / "kernel.cubin"], capture_output=True, text=True)
-    stack = re.search(r"STACK:(\d+)", usage.stdout)
-    assert stack, usage.stdout + usage.stderr
-    return int(stack.group(1))
 
 
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
@@ -371,4 +350,4 @@ def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kin
         else:
             signature[arg] = "*i32" if arg == "step_rows" else "*" + _DTYPE_NAMES[dtype]
     built = compile_sm90(fn, signature, constexprs, num_warps=warps[block], enable_fp_fusion=True)
-    assert _local_memory_bytes(built.asm["cubin"], tmp_path) == 0
+    assert local_memory_bytes(built.asm["cubin"], tmp_path) == 0

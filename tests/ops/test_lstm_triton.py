@@ -9,6 +9,7 @@ process they are skipped. Shapes stay tiny: the interpreter runs every program i
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -19,7 +20,14 @@ from torch.nn.utils.rnn import pack_padded_sequence
 import tandem
 from tandem import _backend
 from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref
-from triton_support import TRITON_DEVICE, compile_sm90, needs_triton, run_under_interpreter
+from triton_support import (
+    TRITON_DEVICE,
+    LaunchCounter,
+    compile_sm90,
+    local_memory_bytes,
+    needs_triton,
+    run_under_interpreter,
+)
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class Case:
         if self.input == "padded":
             return [self.steps] * self.batch
         t = self.steps
-        return [t, max(1, t // 2), 1, max(1, t - 1), max(1, t - 2)][: self.batch]
+        return ([t, max(1, t // 2), 1, max(1, t - 1), max(1, t - 2)] * self.batch)[: self.batch]
 
 
 INPUT = 4
@@ -64,6 +72,8 @@ CASES = [
     Case(proj=17, hidden=20, tile=16),  # two R tiles too
     Case(bias=False, bidirectional=True, input="packed-unsorted", steps=3),
     Case(steps=1, bidirectional=True),
+    # two row blocks of the persistent kernels (16 rows), the second one's sequences end after step 0
+    Case(bidirectional=True, input="packed-unsorted", steps=4, batch=18),
 ]
 
 
@@ -78,6 +88,17 @@ def tiles(monkeypatch):
                 monkeypatch.setattr(lstm_triton, name, size)
 
     return shrink
+
+
+@pytest.fixture(params=["persistent", "per-step"])
+def kernel(request, monkeypatch):
+    """Each test that takes this fixture runs with both kinds of time loop, whatever the size (with a
+    projection both are the per-step kernels)."""
+    if TRITON_DEVICE is not None:
+        from tandem.ops.lstm import triton as lstm_triton
+
+        monkeypatch.setattr(lstm_triton, "TIME_LOOP", request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -145,7 +166,7 @@ def test_triton_kernels_under_interpreter():
 
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_triton_kernel_matches_torch_float64(case: Case, tiles, launches):
+def test_triton_kernel_matches_torch_float64(case: Case, tiles, launches, kernel: str):
     tiles(case.tile)
     ref, ours, x, hx = _make(case)
     expected = _run(ref, case, x, hx, "cpu")
@@ -190,7 +211,7 @@ HALF_CASES = [CASES[2], CASES[6]]
     ("dtype", "tol"),
     [pytest.param(torch.bfloat16, 5e-2, id="bfloat16"), pytest.param(torch.float16, 5e-3, id="float16")],
 )
-def test_triton_kernel_half_close_to_float32(case: Case, dtype, tol):
+def test_triton_kernel_half_close_to_float32(case: Case, dtype, tol, kernel: str):
     """Half inputs, float32 math inside: close to torch's float32 LSTM, relative to each tensor's scale."""
     ref64, _, x, hx = _make(case)
     ref32, _, _, _ = _make(case, torch.float32)
@@ -239,7 +260,7 @@ def _op_inputs(case: Case, dtype=torch.float64):
 
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_triton_kernel_forward_buffers_match_reference(case: Case, tiles):
+def test_triton_kernel_forward_buffers_match_reference(case: Case, tiles, kernel: str):
     """The saved buffers mean the same in both kernels: (i, f, sigmoid(2 a_g), o), 2c, o tanh(c), states."""
     from tandem.ops.lstm.triton import lstm_fwd_triton
 
@@ -254,7 +275,7 @@ def test_triton_kernel_forward_buffers_match_reference(case: Case, tiles):
             torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-12, msg=f"{name} {need_saved=}")
 
 
-BWD_CASES = [CASES[2], CASES[6], CASES[7]]
+BWD_CASES = [CASES[2], CASES[6], CASES[7], CASES[10]]
 UNUSED = {"all": (True, True, True), "dy": (True, False, False), "h_n": (False, True, False)}
 UNUSED |= {"c_n": (False, False, True)}
 
@@ -263,7 +284,7 @@ UNUSED |= {"c_n": (False, False, True)}
 @pytest.mark.parametrize("case", BWD_CASES, ids=[c.id for c in BWD_CASES])
 @pytest.mark.parametrize("used", list(UNUSED), ids=[f"grad-of-{k}" for k in UNUSED])
 @pytest.mark.parametrize("need_dx", [True, False], ids=["dx", "no-dx"])
-def test_triton_kernel_backward_matches_reference(case: Case, used: str, need_dx: bool, tiles):
+def test_triton_kernel_backward_matches_reference(case: Case, used: str, need_dx: bool, tiles, kernel: str):
     from tandem.ops.lstm.triton import lstm_bwd_triton
 
     tiles(case.tile)
@@ -365,3 +386,124 @@ def test_triton_kernel_runs_in_the_autocast_dtype():
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=0.15, rtol=5e-2, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# the persistent kernels: where they run, and their GPU build
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("hidden", "proj", "time_loop", "expected"),
+    [
+        pytest.param(10, 0, "auto", (1, 1, 0, 0), id="H10"),
+        pytest.param(20, 0, "auto", (1, 0, 0, 3), id="H20"),
+        pytest.param(40, 0, "auto", (0, 0, 3, 3), id="H40"),
+        pytest.param(10, 3, "persistent", (0, 0, 3, 3), id="H10-proj3-persistent"),
+    ],
+)
+def test_triton_kernel_persistent_where_the_weights_fit(hidden, proj, time_loop, expected, monkeypatch):
+    """The persistent kernels run (one launch each way) where the table says a direction's weights stay
+    in registers, one launch per step elsewhere: float64 H10 (BLOCK_H 16) both ways, H20 (32) only the
+    forward, H40 (64) neither; never with a projection, even when every size is asked to be persistent."""
+    from tandem.ops.lstm import triton as lstm_triton
+
+    monkeypatch.setattr(lstm_triton, "TIME_LOOP", time_loop)
+    names = ("_lstm_fwd_persistent", "_lstm_bwd_persistent", "_lstm_fwd_kernel", "_lstm_bwd_kernel")
+    spies = {name: LaunchCounter(getattr(lstm_triton, name)) for name in names}
+    for name, spy in spies.items():
+        monkeypatch.setattr(lstm_triton, name, spy)
+    case = Case(bidirectional=True, input="packed-unsorted", steps=3, batch=3, hidden=hidden, proj=proj)
+    args = _op_inputs(case)
+    y, h_n, c_n, *saved = lstm_triton.lstm_fwd_triton(*args)
+    x, bs, h0, c0, w_ih, w_hh, _, _, w_hr = args
+    lstm_triton.lstm_bwd_triton(
+        torch.ones_like(y), None, None, x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, True, True
+    )
+    assert tuple(spy.launches for spy in spies.values()) == expected
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_kernel_persistent_equals_per_step_in_half_precision(dtype, monkeypatch):
+    """Both time loops round h and C to the buffers' dtype between steps and take the same products in the
+    same order (H20: one 32-wide tile each way), so under the interpreter every output and saved buffer is
+    equal bit for bit; a GPU build may contract and order its float32 math differently, by an ulp or so."""
+    from tandem.ops.lstm import triton as lstm_triton
+
+    case = Case(bidirectional=True, input="packed-unsorted", steps=6, batch=18, hidden=20)
+    args = _op_inputs(case, dtype)
+    x, bs, h0, c0, w_ih, w_hh, _, _, w_hr = args
+    gen = torch.Generator().manual_seed(1)
+    results = []
+    for time_loop in ("persistent", "per-step"):
+        monkeypatch.setattr(lstm_triton, "TIME_LOOP", time_loop)
+        y, h_n, c_n, *saved = lstm_triton.lstm_fwd_triton(*args)
+        if not results:
+            grads = [torch.randn(t.shape, generator=gen).to(t) for t in (y, h_n, c_n)]
+        grad = lstm_triton.lstm_bwd_triton(*grads, x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, True, True)
+        results.append((y, h_n, c_n, *saved, *grad))
+    names = ["y", "h_n", "c_n", "gates", "cells", "hr", "states", "dx", "dh0", "dc0", "dw_ih", "dw_hh"]
+    names += ["db_ih", "db_hh", "dw_hr"]
+    exact = TRITON_DEVICE == "cpu"
+    for name, a, b in zip(names, *results):
+        if exact:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_persistent_kernels_take_the_hidden_sizes_in_the_table():
+    pytest.importorskip("triton")
+    from tandem.ops.lstm import triton as lstm_triton
+
+    def fits(kind, dtype, hidden, proj=False):
+        return lstm_triton._persistent_meta(kind, torch.empty(0, dtype=dtype), hidden, proj) is not None
+
+    assert fits("fwd", torch.bfloat16, 64) and fits("bwd", torch.float16, 32)
+    assert not fits("fwd", torch.bfloat16, 65) and not fits("bwd", torch.bfloat16, 33)
+    assert (
+        fits("fwd", torch.float32, 32)
+        and fits("bwd", torch.float32, 17)
+        and not fits("bwd", torch.float32, 33)
+    )
+    assert (
+        fits("fwd", torch.float64, 32)
+        and fits("bwd", torch.float64, 16)
+        and not fits("bwd", torch.float64, 17)
+    )
+    assert not fits("fwd", torch.float32, 8, proj=True) and not fits("bwd", torch.float64, 8, proj=True)
+
+
+@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("precision", ["half", "tf32", "fp32", "fp64"])
+def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kind, precision, tmp_path):
+    """Every hidden size of each entry of the persistent kernels' table compiles for sm_90 with its
+    num_warps and no local memory (both half dtypes; the backward with and without dy): the four weight
+    tiles stay in registers, nothing spills."""
+    tl = pytest.importorskip("triton.language")
+    from tandem.ops.lstm import triton as lstm_triton
+
+    fn = getattr(lstm_triton, f"_lstm_{kind}_persistent")
+    compute = "fp64" if precision == "fp64" else "fp32"
+    dtypes = {"half": ["bf16", "fp16"], "fp64": ["fp64"]}.get(precision, ["fp32"])
+    variants = [dict(HAS_DY=True), dict(HAS_DY=False)] if kind == "bwd" else [{}]
+    for (block, warps), dtype, variant in itertools.product(
+        lstm_triton._PERSISTENT_WARPS[kind, precision].items(), dtypes, variants
+    ):
+        constexprs = dict(H=block, COMPUTE=getattr(tl, f"float{compute[2:]}"), UPCAST=False, **variant)
+        constexprs |= dict(TF32=precision == "tf32", BLOCK_B=16, BLOCK_H=block)
+        signature = {}
+        for arg in fn.arg_names:
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+            elif arg[:2] != "p_":
+                signature[arg] = "i32"
+            elif arg in ("p_dh0", "p_dc0"):  # written in the compute dtype
+                signature[arg] = f"*{compute}"
+            else:
+                signature[arg] = "*i32" if arg == "p_rows" else f"*{dtype}"
+        built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
+        stack = local_memory_bytes(built.asm["cubin"], tmp_path)
+        assert stack == 0, f"{dtype} BLOCK_H {block}, {warps} warps {variant}: {stack} bytes of stack"

@@ -1,5 +1,6 @@
-"""What the Triton kernels of the recurrent ops (GRU, LSTM) share: how a tile product is taken, and in
-which precision. Imported only by the Triton modules (Triton is optional)."""
+"""What the Triton kernels of the recurrent ops (GRU, LSTM) share: how a tile product is taken, in which
+precision, and how the persistent kernels are launched. Imported only by the Triton modules (Triton is
+optional)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["dot", "upcast", "tf32", "compute_dtype"]
+from tandem._device import to_device
+from tandem.ops._packed import PackedSteps
+
+__all__ = ["dot", "upcast", "tf32", "compute_dtype", "precision", "persistent_meta", "step_rows"]
 
 
 @triton.jit
@@ -39,3 +43,34 @@ def tf32(x: Tensor) -> bool:
 def compute_dtype(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:
     """The math and carry dtype for inputs of ``dtype``: float64 for float64, float32 otherwise."""
     return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def precision(x: Tensor) -> str:
+    """How the tiles of ``x`` are multiplied, the key of the persistent kernels' tables: "half" (bfloat16 or
+    float16), "fp64", "tf32" (float32, see :func:`tf32`) or "fp32"."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return "half"
+    if x.dtype == torch.float64:
+        return "fp64"
+    return "tf32" if tf32(x) else "fp32"
+
+
+def persistent_meta(warps: dict[int, int], time_loop: str, hid: int) -> dict | None:
+    """Block sizes and launch options of a persistent kernel for hidden size ``hid``, or None where the
+    per-step kernels run. ``warps`` maps the padded hidden sizes (BLOCK_H) whose build holds the weights
+    without spilling to their num_warps; ``time_loop`` is the module's TIME_LOOP: "auto" (the persistent
+    kernel for the sizes in ``warps``), "persistent" or "per-step" (for every size)."""
+    if time_loop == "per-step":
+        return None
+    block = max(16, triton.next_power_of_2(hid))
+    num_warps = warps.get(block)
+    if num_warps is None:
+        if time_loop != "persistent":
+            return None
+        num_warps = 8
+    return dict(BLOCK_B=16, BLOCK_H=block, num_warps=num_warps, enable_fp_fusion=True)
+
+
+def step_rows(steps: PackedSteps, device: torch.device) -> Tensor:
+    """``[2, T]`` int32 on ``device``: the active sequences of each step, then its first step-packed row."""
+    return to_device(torch.tensor([steps.sizes, steps.offsets], dtype=torch.int32), device)

@@ -47,9 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tandem._device import to_device
-from tandem.ops._packed import PackedSteps
-from tandem.ops._triton_rnn import compute_dtype, dot, tf32, upcast
+from tandem.ops._triton_rnn import compute_dtype, dot, persistent_meta, precision, step_rows, tf32, upcast
 from tandem.ops._workspace import scratch
 from tandem.ops.gru.reference import (
     gru_bwd_epilogue,
@@ -72,7 +70,8 @@ TIME_LOOP = "auto"
 # time loop. They run for the hidden sizes (padded to BLOCK_H) where the sm_90 build holds them without
 # spilling to local memory, with the num_warps that does it; found by compiling ahead of time (Triton
 # 3.9, `cuobjdump -res-usage`), checked by tests/ops/test_gru_triton.py. Keyed by kernel and precision
-# (see _precision); larger sizes spill (e.g. bf16 H128 with 8 or 16 warps) and run the per-step kernels.
+# (tandem.ops._triton_rnn.precision); larger sizes spill (e.g. bf16 H128 with 8 or 16 warps) and run the
+# per-step kernels.
 _PERSISTENT_WARPS = {
     ("fwd", "half"): {16: 4, 32: 4, 64: 8},
     ("bwd", "half"): {16: 4, 32: 4, 64: 8},
@@ -371,31 +370,10 @@ def _step_meta(kind: str, dtype: torch.dtype, batch: int, hid: int) -> dict:
     return meta | dict(BLOCK_J=_block(hid, 16, 32), BLOCK_K=_block(hid, 16, 64), num_warps=8)
 
 
-def _precision(x: Tensor) -> str:
-    if x.dtype in (torch.bfloat16, torch.float16):
-        return "half"
-    if x.dtype == torch.float64:
-        return "fp64"
-    return "tf32" if tf32(x) else "fp32"
-
-
 def _persistent_meta(kind: str, x: Tensor, hid: int) -> dict | None:
     """Block sizes and launch options of the persistent ``kind`` ("fwd"/"bwd") kernel for ``x`` and
     hidden size ``hid``, or None where the per-step kernels run (see TIME_LOOP, _PERSISTENT_WARPS)."""
-    if TIME_LOOP == "per-step":
-        return None
-    block = _block(hid, 16, 1 << 30)
-    warps = _PERSISTENT_WARPS[kind, _precision(x)].get(block)
-    if warps is None:
-        if TIME_LOOP != "persistent":
-            return None
-        warps = 8
-    return dict(BLOCK_B=16, BLOCK_H=block, num_warps=warps, **_FMA)
-
-
-def _step_rows(steps: PackedSteps, device: torch.device) -> Tensor:
-    """``[2, T]`` int32 on ``device``: the active sequences of each step, then its first step-packed row."""
-    return to_device(torch.tensor([steps.sizes, steps.offsets], dtype=torch.int32), device)
+    return persistent_meta(_PERSISTENT_WARPS[kind, precision(x)], TIME_LOOP, hid)
 
 
 def gru_fwd_triton(
@@ -419,7 +397,7 @@ def gru_fwd_triton(
     persistent = _persistent_meta("fwd", x, hid)
     if persistent:
         grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
-        rows = _step_rows(steps, x.device)
+        rows = step_rows(steps, x.device)
         _gru_fwd_persistent[grid](
             gates, hn, states, h0, w_hh, b_hn, rows, len(steps.sizes), batch, total, **meta, **persistent
         )
@@ -472,7 +450,7 @@ def gru_bwd_triton(
     if persistent:
         dh0 = torch.empty_like(h0)
         grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
-        rows = _step_rows(steps, x.device)
+        rows = step_rows(steps, x.device)
         _gru_bwd_persistent[grid](
             dh_n.contiguous(), dh0, grad_out, gates, hn, states, w_hh, dgates, dn_in, rows, len(steps.sizes),
             batch, total, **meta, **persistent,

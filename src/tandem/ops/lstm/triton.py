@@ -1,5 +1,5 @@
 """Triton kernels of ``tandem::lstm_fwd`` / ``tandem::lstm_bwd``: fused time steps, both directions and
-every active sequence of the batch in one launch per step.
+every active sequence of the batch in one launch per step, or in one launch for the whole time loop.
 
 Only the two time loops of :mod:`tandem.ops.lstm.reference` are replaced; the work before and after them
 (the input projection of all steps and both directions as one batched matmul, the output copies, h_n /
@@ -39,11 +39,22 @@ Under the interpreter (CPU tensors) bfloat16 matmuls take float32 operands
 (:func:`tandem.ops._triton_rnn.upcast`); the GPU build multiplies bfloat16 on the tensor cores, which
 gives the same products.
 
-Not done yet: no CUDA-graph capture of the step loop and no persistent kernel (each step is one launch,
-plus one bmm per step with a projection); block sizes and pipeline stages are untuned; nothing here has
-been run or timed on a GPU yet. The kernels are tested with Triton's interpreter on the CPU
-(``TRITON_INTERPRET=1 TANDEM_FORCE_TRITON=1``), and the tests compile them ahead of time for sm_90 to check
-the matmul instructions and the shared memory.
+Persistent kernels, without a projection and for the small hidden sizes where a direction's four recurrent
+weight tiles stay in registers (``_PERSISTENT_WARPS``): one launch runs the whole time loop, grid ``(D,
+cdiv(B, BLOCK_B))``. A program owns every column of its rows, so h and C (forward) or the carried dL/dh and
+dL/dc (backward) never leave its registers and no program waits for another; the weights are read once.
+Each step's active rows and first packed row come from a small ``[2, T]`` table, and a block whose
+sequences have all ended (or, in reverse, not started) skips the step; in the backward, rows that have not
+started keep their dh_n and dc_n. h and C are rounded to the buffers' dtype between steps, as the per-step
+kernels read them back, and the saved buffers are the same, so either backward reads either forward.
+
+Not done yet: no CUDA-graph capture of the per-step loop, no persistent kernel with a projection (the
+per-step bmm stays) or for larger hidden sizes (weights spread over several programs, a grid-wide barrier
+per step); block sizes and pipeline stages are untuned; nothing here has been run or timed on a GPU yet.
+``TIME_LOOP`` picks the loop for every size, for measuring one against the other. The kernels are tested
+with Triton's interpreter on the CPU (``TRITON_INTERPRET=1 TANDEM_FORCE_TRITON=1``), and the tests compile
+them ahead of time for sm_90 to check the matmul instructions, the shared memory and, for the persistent
+kernels, that nothing spills to local memory.
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tandem.ops._packed import PackedSteps
-from tandem.ops._triton_rnn import compute_dtype, dot, tf32, upcast
+from tandem.ops._triton_rnn import compute_dtype, dot, persistent_meta, precision, step_rows, tf32, upcast
 from tandem.ops.lstm.reference import _gate_scale, dy_by_direction, fwd_epilogue, fwd_prologue, param_grads
 
 __all__ = ["lstm_fwd_triton", "lstm_bwd_triton"]
@@ -67,6 +78,31 @@ _BLOCK_R = 32
 # (the same on sm_80 and sm_90 builds; the tests check the sm_90 one). FMA contraction on, and said so:
 # Triton 3.10 turns its default off, and the fused form is the more accurate one.
 LAUNCH_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
+
+# Which time loop runs: "auto" (the persistent kernels where _PERSISTENT_WARPS has the hidden size, the
+# per-step kernels elsewhere), or "persistent" / "per-step" for every size (tests, benchmarks). With a
+# projection the per-step kernels always run.
+TIME_LOOP = "auto"
+
+# The persistent kernels keep a direction's four recurrent weight tiles in registers for the whole time
+# loop. They run for the hidden sizes (padded to BLOCK_H) where the sm_90 build holds them without
+# spilling to local memory (bfloat16 and float16 alike for "half"), with the fewest num_warps that does
+# it: 8 rather than 4 for the float32 forward at 32, whose 4-warp build sits at 254 registers (as the
+# GRU's), and for the half backward at 16, whose float16 4-warp build spills one register. Found by
+# compiling ahead of time (Triton 3.9, `cuobjdump -res-usage`), checked by tests/ops/test_lstm_triton.py.
+# Keyed by kernel and precision (tandem.ops._triton_rnn.precision). Four tiles instead of the GRU's
+# three, and a backward that holds two carries: larger sizes spill (half forward H128, backward H64,
+# with 4, 8 or 16 warps) and run the per-step kernels.
+_PERSISTENT_WARPS = {
+    ("fwd", "half"): {16: 4, 32: 4, 64: 8},
+    ("bwd", "half"): {16: 8, 32: 8},
+    ("fwd", "tf32"): {16: 4, 32: 4, 64: 8},
+    ("bwd", "tf32"): {16: 4},
+    ("fwd", "fp32"): {16: 4, 32: 8},
+    ("bwd", "fp32"): {16: 4, 32: 8},
+    ("fwd", "fp64"): {16: 4, 32: 4},
+    ("bwd", "fp64"): {16: 4},
+}
 
 
 @triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "n"])
@@ -228,6 +264,158 @@ def _lstm_bwd_kernel(
     tl.store(p_dho, b_acc.to(p_dhout.dtype.element_ty), mask=m_b[:, None] & m_r[None, :])
 
 
+@triton.jit
+def _lstm_fwd_persistent(
+    p_gates,  # [D, P, 4H] in: the input projection; out: (i, f, sigmoid(2 a_g), o)
+    p_cells,  # [D, P, H] out: C = 2c
+    p_states,  # [D, P, H] out: o * tanh(c)
+    p_h0,  # [D, B, H]
+    p_c0,  # [D, B, H] 2 c0
+    p_w,  # [D, 4H, H] W_hh with the g rows doubled, contiguous
+    p_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
+    n_steps,  # T
+    B,
+    P,
+    H: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,  # see dot
+    TF32: tl.constexpr,  # see dot
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= H: a program owns every column of its rows
+):
+    i_d, i_b = tl.program_id(0), tl.program_id(1)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_j = tl.arange(0, BLOCK_H)
+    m_j = o_j < H
+    # W_hh^T of the four gates, [k, j] tiles read once and kept in registers for every step
+    p_wt = p_w + i_d * 4 * H * H + o_j[None, :] * H + o_j[:, None]
+    m_w = m_j[:, None] & m_j[None, :]
+    b_wi = tl.load(p_wt, mask=m_w, other=0.0)
+    b_wf = tl.load(p_wt + H * H, mask=m_w, other=0.0)
+    b_wg = tl.load(p_wt + 2 * H * H, mask=m_w, other=0.0)
+    b_wo = tl.load(p_wt + 3 * H * H, mask=m_w, other=0.0)
+    # h and C in the buffers' dtype: rounded as the per-step kernel reads them back from memory
+    r_0 = (i_d * B + o_b).to(tl.int64)
+    m_0 = (o_b < B)[:, None] & m_j[None, :]
+    b_h = tl.load(p_h0 + r_0[:, None] * H + o_j[None, :], mask=m_0, other=0.0)
+    b_cs = tl.load(p_c0 + r_0[:, None] * H + o_j[None, :], mask=m_0, other=0.0)
+    DTYPE = p_gates.dtype.element_ty
+    for s in range(0, n_steps):
+        n = tl.load(p_rows + s)
+        if i_b * BLOCK_B < n:  # sequences are sorted by length: a block's rows end together or stay ended
+            o_row = tl.load(p_rows + n_steps + s)
+            m = (o_b < n)[:, None] & m_j[None, :]
+            r_row = (i_d * P + o_row + o_b).to(tl.int64)
+            b_zi = dot(b_h, b_wi, tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE), UPCAST, TF32)
+            b_zf = dot(b_h, b_wf, tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE), UPCAST, TF32)
+            b_zg = dot(b_h, b_wg, tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE), UPCAST, TF32)
+            b_zo = dot(b_h, b_wo, tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE), UPCAST, TF32)
+            p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
+            b_i = tl.sigmoid(b_zi + tl.load(p_g, mask=m, other=0.0).to(COMPUTE))
+            b_f = tl.sigmoid(b_zf + tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE))
+            b_sg = tl.sigmoid(b_zg + tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE))
+            b_o = tl.sigmoid(b_zo + tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE))
+            b_c = b_f * b_cs.to(COMPUTE) + 4.0 * b_i * b_sg - 2.0 * b_i  # as _lstm_fwd_kernel
+            b_hn = b_o * (2.0 * tl.sigmoid(b_c) - 1.0)
+            tl.store(p_g, b_i.to(DTYPE), mask=m)
+            tl.store(p_g + H, b_f.to(DTYPE), mask=m)
+            tl.store(p_g + 2 * H, b_sg.to(DTYPE), mask=m)
+            tl.store(p_g + 3 * H, b_o.to(DTYPE), mask=m)
+            b_cs, b_h = b_c.to(DTYPE), b_hn.to(DTYPE)
+            tl.store(p_cells + r_row[:, None] * H + o_j[None, :], b_cs, mask=m)
+            tl.store(p_states + r_row[:, None] * H + o_j[None, :], b_h, mask=m)
+
+
+@triton.jit
+def _lstm_bwd_persistent(
+    p_gates,  # [D, P, 4H] saved (i, f, sigmoid(2 a_g), o)
+    p_cells,  # [D, P, H] saved C = 2c
+    p_c0,  # [D, B, H] 2 c0
+    p_dy,  # [D, P, H] the outputs' dL/dh, step-packed (read only if HAS_DY)
+    p_dhn,  # [D, B, H] dL/dh_n
+    p_dcn,  # [D, B, H] dL/dc_n
+    p_dh0,  # [D, B, H] out: dL/dh0 (in the compute dtype)
+    p_dc0,  # [D, B, H] out: dL/dc0 (in the compute dtype)
+    p_dz,  # [D, P, 4H] out: dL/dz of the (g-doubled) pre-activations
+    p_w,  # [D, 4H, H] W_hh with the g rows doubled, contiguous
+    p_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
+    n_steps,  # T
+    B,
+    P,
+    H: tl.constexpr,
+    HAS_DY: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,  # see dot
+    TF32: tl.constexpr,  # see dot
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= H: a program owns every column of its rows
+):
+    i_d, i_b = tl.program_id(0), tl.program_id(1)
+    o_b = i_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_j = tl.arange(0, BLOCK_H)
+    m_j = o_j < H
+    # W_hh of the four gates, [j, k] tiles read once and kept in registers for every step
+    p_wj = p_w + i_d * 4 * H * H + o_j[:, None] * H + o_j[None, :]
+    m_w = m_j[:, None] & m_j[None, :]
+    b_wi = tl.load(p_wj, mask=m_w, other=0.0)
+    b_wf = tl.load(p_wj + H * H, mask=m_w, other=0.0)
+    b_wg = tl.load(p_wj + 2 * H * H, mask=m_w, other=0.0)
+    b_wo = tl.load(p_wj + 3 * H * H, mask=m_w, other=0.0)
+    # the carries dL/dh and dL/dc, in the compute dtype as the per-step kernel's buffers
+    r_carry = (i_d * B + o_b).to(tl.int64)
+    m_carry = (o_b < B)[:, None] & m_j[None, :]
+    p_carry = r_carry[:, None] * H + o_j[None, :]
+    b_dhc = tl.load(p_dhn + p_carry, mask=m_carry, other=0.0).to(COMPUTE)
+    b_dcc = tl.load(p_dcn + p_carry, mask=m_carry, other=0.0).to(COMPUTE)
+    DTYPE = p_dz.dtype.element_ty
+    for i in range(0, n_steps):
+        s = n_steps - 1 - i
+        n = tl.load(p_rows + s)
+        if i_b * BLOCK_B < n:
+            o_row = tl.load(p_rows + n_steps + s)
+            m_b = o_b < n
+            m = m_b[:, None] & m_j[None, :]
+            r_row = (i_d * P + o_row + o_b).to(tl.int64)
+            if s > 0:  # C_prev: the previous step's row of ``cells``, 2 c0 at step 0
+                r_prev = (i_d * P + tl.load(p_rows + n_steps + s - 1) + o_b).to(tl.int64)
+                b_cp = tl.load(p_cells + r_prev[:, None] * H + o_j[None, :], mask=m, other=0.0)
+            else:
+                b_cp = tl.load(p_c0 + p_carry, mask=m, other=0.0)
+            b_cp = b_cp.to(COMPUTE)
+            b_dh = b_dhc
+            if HAS_DY:
+                b_dh += tl.load(p_dy + r_row[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+            p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
+            b_i = tl.load(p_g, mask=m, other=0.0).to(COMPUTE)
+            b_f = tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE)
+            b_sg = tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)
+            b_o = tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE)
+            b_c = tl.load(p_cells + r_row[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+
+            b_tc = 2.0 * tl.sigmoid(b_c) - 1.0  # tanh(c) from the saved C = 2c
+            b_dc = b_dcc + b_dh * b_o * (1.0 - b_tc * b_tc)
+            b_dzi = b_dc * (2.0 * b_sg - 1.0) * b_i * (1.0 - b_i)
+            b_dzf = b_dc * (0.5 * b_cp) * b_f * (1.0 - b_f)
+            b_dzg = b_dc * b_i * 2.0 * b_sg * (1.0 - b_sg)
+            b_dzo = b_dh * b_tc * b_o * (1.0 - b_o)
+            b_dzi, b_dzf, b_dzg, b_dzo = b_dzi.to(DTYPE), b_dzf.to(DTYPE), b_dzg.to(DTYPE), b_dzo.to(DTYPE)
+            p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
+            tl.store(p_z, b_dzi, mask=m)
+            tl.store(p_z + H, b_dzf, mask=m)
+            tl.store(p_z + 2 * H, b_dzg, mask=m)
+            tl.store(p_z + 3 * H, b_dzo, mask=m)
+
+            b_acc = dot(b_dzi, b_wi, tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE), UPCAST, TF32)
+            b_acc = dot(b_dzf, b_wf, b_acc, UPCAST, TF32)
+            b_acc = dot(b_dzg, b_wg, b_acc, UPCAST, TF32)
+            b_acc = dot(b_dzo, b_wo, b_acc, UPCAST, TF32)
+            # rows that have not started yet (shorter sequences) keep their dh_n and dc_n
+            b_dhc = tl.where(m_b[:, None], b_acc, b_dhc)
+            b_dcc = tl.where(m_b[:, None], b_dc * b_f, b_dcc)
+    tl.store(p_dh0 + p_carry, b_dhc.to(p_dh0.dtype.element_ty), mask=m_carry)
+    tl.store(p_dc0 + p_carry, b_dcc.to(p_dc0.dtype.element_ty), mask=m_carry)
+
+
 def _blocks(batch: int, hid: int, out_size: int) -> tuple[int, int, int]:
     """Tile sizes, read from the module's constants at each call (the tests shrink them to get several
     tiles out of tiny shapes)."""
@@ -235,6 +423,15 @@ def _blocks(batch: int, hid: int, out_size: int) -> tuple[int, int, int]:
     block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(hid)))
     block_r = min(_BLOCK_R, max(16, triton.next_power_of_2(out_size)))
     return block_b, block_h, block_r
+
+
+def _persistent_meta(kind: str, x: Tensor, hid: int, has_proj: bool) -> dict | None:
+    """Block sizes and launch options of the persistent ``kind`` ("fwd"/"bwd") kernel for ``x`` and
+    hidden size ``hid``, or None where the per-step kernels run: always with a projection, else as
+    TIME_LOOP and _PERSISTENT_WARPS say."""
+    if has_proj:
+        return None
+    return persistent_meta(_PERSISTENT_WARPS[kind, precision(x)], TIME_LOOP, hid)
 
 
 def lstm_fwd_triton(
@@ -266,9 +463,20 @@ def lstm_fwd_triton(
     d_, batch, hid = c0.shape
     out_size, total = h0.shape[2], x.shape[0]
     steps = fwd.steps
-    block_b, block_h, block_r = _blocks(batch, hid, out_size)
     w_hh_s = (w_hh * fwd.scale).contiguous()  # [D, 4H, R], g rows doubled
     h0c, c0x2 = h0.contiguous(), (c0 * 2.0).contiguous()  # the cell state is kept doubled
+    compute = compute_dtype(x.dtype)[1]
+    persistent = _persistent_meta("fwd", x, hid, w_hr is not None)
+    if persistent:
+        grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
+        _lstm_fwd_persistent[grid](
+            fwd.gates, fwd.cells, fwd.states, h0c, c0x2, w_hh_s, step_rows(steps, x.device),
+            len(steps.sizes), batch, total, H=hid, COMPUTE=compute, UPCAST=upcast(x), TF32=tf32(x),
+            **persistent,
+        )  # fmt: skip
+        return fwd_epilogue(fwd, batch, need_saved, False)
+
+    block_b, block_h, block_r = _blocks(batch, hid, out_size)
     # Per-step launch arguments, computed before the loop: (grid, h_prev, C_prev, o_row, o_prev, s_prev_d).
     launches = [
         (
@@ -282,7 +490,6 @@ def lstm_fwd_triton(
     if w_hr is not None:
         w_hr_t = w_hr.transpose(1, 2)  # [D, H, R]
         projections = list(zip(steps.split(fwd.hr), steps.split(fwd.states)))
-    compute = compute_dtype(x.dtype)[1]
     for s, (grid, h_prev, c_prev, o_prev, s_prev_d, o_row, n) in enumerate(launches):
         _lstm_fwd_kernel[grid](
             fwd.gates, fwd.cells, fwd.hr, h_prev, c_prev, w_hh_s, o_row, o_prev, s_prev_d, n, total, hid,
@@ -333,16 +540,7 @@ def lstm_bwd_triton(
         states = y.view(1, total, out_size)
     if w_hr is None:
         hr = states
-    block_b, block_h, block_r = _blocks(batch, hid, out_size)
     compute, tl_compute = compute_dtype(x.dtype)
-
-    # The carries, two of each (ping-pong), both seeded with the final states' gradients.
-    def seeded(last: Tensor | None, size: int) -> Tensor:
-        t = torch.empty(d_, batch, size, dtype=compute, device=x.device)
-        return t.zero_() if last is None else t.copy_(last)
-
-    dh_pp = [seeded(dh_n, out_size) for _ in range(2)]
-    dc_pp = [seeded(dc_n, hid) for _ in range(2)]
     dz = x.new_empty(d_, total, 4 * hid)  # dL/dz: [D, P, 4H]
     # dL/dh from the outputs, step-packed; with a projection it becomes the full dL/dh that dW_hr needs.
     grad_h = None
@@ -351,38 +549,63 @@ def lstm_bwd_triton(
     w_hh_s = (w_hh * scale).contiguous()  # [D, 4H, R], g rows doubled
     c0x2 = (c0 * 2.0).contiguous()
 
-    # Per-step launch arguments, computed before the loop. With a projection each step first turns
-    # dy + carry into dL/dh (kept in grad_h) and maps it back through W_hr into ``work``.
-    work = x.new_empty(d_ * batch * hid) if w_hr is not None else None
-    g_h = steps.split(grad_h) if w_hr is not None else None
-    launches = []
-    for s in range(len(sizes) - 1, -1, -1):
-        n = sizes[s]
-        i_in = (len(sizes) - 1 - s) % 2
-        c_prev = (c0x2, 0, batch) if s == 0 else (cells, offsets[s - 1], total)
-        if w_hr is not None:
-            dh_src = work[: d_ * n * hid].view(d_, n, hid)  # [D, n, H]
-            proj = (g_h[s], dh_pp[i_in][:, :n], dh_src)
-            dh_args = (dh_src, 0, n)
-        else:
-            proj = None
-            dh_args = (grad_h if grad_h is not None else dz, offsets[s], total)
-        grid = (d_, triton.cdiv(n, block_b), triton.cdiv(out_size, block_r))
-        launches.append((grid, i_in, *c_prev, *dh_args, offsets[s], n, proj))
-
-    for grid, i_in, c_prev, o_prev, s_prev_d, dh_src, o_dh, s_dh_d, o_row, n, proj in launches:
-        if proj is not None:
-            full_dh, carry, back = proj
-            full_dh.add_(carry)
-            torch.bmm(full_dh, w_hr, out=back)
-        _lstm_bwd_kernel[grid](
-            gates, cells, c_prev, dh_src, dh_pp[i_in], dc_pp[i_in], dh_pp[1 - i_in], dc_pp[1 - i_in], dz,
-            w_hh_s, o_row, o_prev, s_prev_d, o_dh, s_dh_d, n, total, batch, hid, out_size,
-            HAS_DH=grad_h is not None, HAS_DHIN=w_hr is None, COMPUTE=tl_compute, UPCAST=upcast(x),
-            TF32=tf32(x), BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS,
+    persistent = _persistent_meta("bwd", x, hid, w_hr is not None)
+    if persistent:
+        # dh0 and dc0 in the compute dtype, rounded here as the per-step path rounds its carries (Triton's
+        # interpreter rounds float32 to bfloat16 toward zero, torch and the GPU build to nearest even)
+        dh0, dc0 = (torch.empty(d_, batch, hid, dtype=compute, device=x.device) for _ in range(2))
+        dh_n = dh_n.contiguous() if dh_n is not None else x.new_zeros(d_, batch, hid)
+        dc_n = dc_n.contiguous() if dc_n is not None else x.new_zeros(d_, batch, hid)
+        grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
+        _lstm_bwd_persistent[grid](
+            gates, cells, c0x2, grad_h if grad_h is not None else dz, dh_n, dc_n, dh0, dc0, dz, w_hh_s,
+            step_rows(steps, x.device), len(sizes), batch, total, H=hid, HAS_DY=grad_h is not None,
+            COMPUTE=tl_compute, UPCAST=upcast(x), TF32=tf32(x), **persistent,
         )  # fmt: skip
-    i_out = len(sizes) % 2  # the buffer step 0 wrote
-    dh0, dc0 = dh_pp[i_out].to(x.dtype), dc_pp[i_out].to(x.dtype)
+        dh0, dc0 = dh0.to(x.dtype), dc0.to(x.dtype)
+    else:
+        block_b, block_h, block_r = _blocks(batch, hid, out_size)
+
+        # The carries, two of each (ping-pong), both seeded with the final states' gradients.
+        def seeded(last: Tensor | None, size: int) -> Tensor:
+            t = torch.empty(d_, batch, size, dtype=compute, device=x.device)
+            return t.zero_() if last is None else t.copy_(last)
+
+        dh_pp = [seeded(dh_n, out_size) for _ in range(2)]
+        dc_pp = [seeded(dc_n, hid) for _ in range(2)]
+
+        # Per-step launch arguments, computed before the loop. With a projection each step first turns
+        # dy + carry into dL/dh (kept in grad_h) and maps it back through W_hr into ``work``.
+        work = x.new_empty(d_ * batch * hid) if w_hr is not None else None
+        g_h = steps.split(grad_h) if w_hr is not None else None
+        launches = []
+        for s in range(len(sizes) - 1, -1, -1):
+            n = sizes[s]
+            i_in = (len(sizes) - 1 - s) % 2
+            c_prev = (c0x2, 0, batch) if s == 0 else (cells, offsets[s - 1], total)
+            if w_hr is not None:
+                dh_src = work[: d_ * n * hid].view(d_, n, hid)  # [D, n, H]
+                proj = (g_h[s], dh_pp[i_in][:, :n], dh_src)
+                dh_args = (dh_src, 0, n)
+            else:
+                proj = None
+                dh_args = (grad_h if grad_h is not None else dz, offsets[s], total)
+            grid = (d_, triton.cdiv(n, block_b), triton.cdiv(out_size, block_r))
+            launches.append((grid, i_in, *c_prev, *dh_args, offsets[s], n, proj))
+
+        for grid, i_in, c_prev, o_prev, s_prev_d, dh_src, o_dh, s_dh_d, o_row, n, proj in launches:
+            if proj is not None:
+                full_dh, carry, back = proj
+                full_dh.add_(carry)
+                torch.bmm(full_dh, w_hr, out=back)
+            _lstm_bwd_kernel[grid](
+                gates, cells, c_prev, dh_src, dh_pp[i_in], dc_pp[i_in], dh_pp[1 - i_in], dc_pp[1 - i_in], dz,
+                w_hh_s, o_row, o_prev, s_prev_d, o_dh, s_dh_d, n, total, batch, hid, out_size,
+                HAS_DH=grad_h is not None, HAS_DHIN=w_hr is None, COMPUTE=tl_compute, UPCAST=upcast(x),
+                TF32=tf32(x), BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS,
+            )  # fmt: skip
+        i_out = len(sizes) % 2  # the buffer step 0 wrote
+        dh0, dc0 = dh_pp[i_out].to(x.dtype), dc_pp[i_out].to(x.dtype)
 
     dx, dw_ih, dw_hh, db_ih, db_hh, dw_hr = param_grads(
         dz, grad_h, x, h0, states, hr, w_ih, w_hr, steps, scale, has_bias, need_dx
