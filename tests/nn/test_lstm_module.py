@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import tandem
 
@@ -136,3 +137,65 @@ def test_torch_compile_fullgraph_equals_eager(backend: str, tmp_path, monkeypatc
     torch.testing.assert_close(got, eager)
     for a, b in zip(got_grads, eager_grads):
         torch.testing.assert_close(a, b)
+
+
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "mkldnn_rnn_layer")
+needs_onednn = pytest.mark.skipif(not _ONEDNN, reason="this torch has no oneDNN LSTM layer op")
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(num_layers=2, bidirectional=True, batch_first=True), dict(bias=False, bidirectional=True)],
+    ids=["uni", "L2-bi-bf", "bi-nobias"],
+)
+@pytest.mark.parametrize("states", [False, True], ids=["", "hx"])
+def test_dense_float32_runs_torchs_onednn_kernel_bit_for_bit(kwargs, states: bool):
+    """Where torch.nn.LSTM runs oneDNN (dense float32 CPU input, no projection) tandem runs the same
+    primitive: outputs and every gradient are equal to torch's, not just close."""
+    ref = torch.nn.LSTM(5, 7, **kwargs)
+    ours = tandem.nn.LSTM(5, 7, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    layers = kwargs.get("num_layers", 1) * (2 if kwargs.get("bidirectional") else 1)
+    x = torch.randn(4, 6, 5) if kwargs.get("batch_first") else torch.randn(6, 4, 5)  # batch 4
+    hx = (torch.randn(layers, 4, 7), torch.randn(layers, 4, 7)) if states else None
+    results = []
+    for module in (ref, ours):
+        inputs = [x.clone().requires_grad_()] + ([t.clone().requires_grad_() for t in hx] if states else [])
+        out, (h_n, c_n) = module(inputs[0], tuple(inputs[1:]) if states else None)
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + h_n.sum() + 2 * c_n.sum()
+        grads = torch.autograd.grad(loss, inputs + list(module.parameters()))
+        results.append((out, h_n, c_n, *grads))
+    for expected, got in zip(*results):
+        assert torch.equal(got, expected)
+
+
+class _Calls:
+    def __init__(self, fn):
+        self.fn, self.count = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.fn(*args, **kwargs)
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "case", ["dense", "packed", "proj", "float64", "mkldnn-disabled"], ids=lambda c: c.replace("-", "_")
+)
+def test_onednn_serves_exactly_where_torch_uses_it(case: str, monkeypatch):
+    """oneDNN for dense float32 input without projection, with oneDNN enabled; tandem's kernel for the
+    rest (packed input, proj_size, float64, ``torch.backends.mkldnn.flags(enabled=False)``)."""
+    from tandem.nn import lstm as lstm_module
+
+    onednn = _Calls(lstm_module.lstm_layer_onednn)
+    own = _Calls(lstm_module.lstm_layer)
+    monkeypatch.setattr(lstm_module, "lstm_layer_onednn", onednn)
+    monkeypatch.setattr(lstm_module, "lstm_layer", own)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    model = tandem.nn.LSTM(3, 4, num_layers=2, proj_size=2 if case == "proj" else 0, dtype=dtype)
+    x = torch.randn(5, 2, 3, dtype=dtype)
+    inp = pack_padded_sequence(x, [5, 3]) if case == "packed" else x
+    with torch.backends.mkldnn.flags(enabled=case != "mkldnn-disabled"):
+        model(inp)
+    assert (onednn.count, own.count) == ((2, 0) if case == "dense" else (0, 2))

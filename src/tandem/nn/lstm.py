@@ -8,6 +8,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from tandem.nn._rnn import RNNLayers
 from tandem.ops.lstm import lstm as lstm_layer
+from tandem.ops.lstm.onednn import lstm_layer_onednn, onednn_applies
 
 __all__ = ["LSTM"]
 
@@ -91,6 +92,16 @@ class LSTM(RNNLayers):
             return hx
         return hx[0].index_select(1, permutation), hx[1].index_select(1, permutation)
 
+    def _direction_weights(self, layer: int) -> list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]]:
+        """``(w_ih, w_hh, b_ih, b_hh)`` of each direction of ``layer``, the parameters themselves."""
+        suffixes = ("", "_reverse") if self.bidirectional else ("",)
+        names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
+        weights = []
+        for s in suffixes:
+            ws = [getattr(self, f"{n}_l{layer}{s}") for n in names]
+            weights.append((*ws, None, None) if not self.bias else tuple(ws))
+        return weights
+
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
@@ -125,12 +136,20 @@ class LSTM(RNNLayers):
         h_n, c_n = [], []
         layer_input = rows.data
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
+        # where torch.nn.LSTM runs oneDNN's fused cell (dense float32 CPU input, no projection), so does
+        # this module; tandem's own kernel everywhere else (see tandem.ops.lstm.onednn)
+        onednn = dtype is None and onednn_applies(rows.data, rows.packed, self.proj_size)
         for layer in range(self.num_layers):
             span = slice(layer * num_directions, (layer + 1) * num_directions)
-            weights = self._layer_weights(layer, names, dtype)
-            layer_input, h_last, c_last = lstm_layer(
-                layer_input, rows.batch_sizes, hx[0][span], hx[1][span], *weights
-            )
+            if onednn:
+                layer_input, h_last, c_last = lstm_layer_onednn(
+                    layer_input, rows.mini_batch, hx[0][span], hx[1][span], self._direction_weights(layer)
+                )
+            else:
+                weights = self._layer_weights(layer, names, dtype)
+                layer_input, h_last, c_last = lstm_layer(
+                    layer_input, rows.batch_sizes, hx[0][span], hx[1][span], *weights
+                )
             h_n.append(h_last)
             c_n.append(c_last)
             layer_input = self._dropout(layer_input, layer)

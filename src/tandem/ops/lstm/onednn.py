@@ -1,0 +1,72 @@
+"""The CPU LSTM layer that runs oneDNN's fused LSTM, the kernel torch.nn.LSTM itself runs on CPUs.
+
+On a CPU, torch.nn.LSTM hands dense float32 layers without a projection to oneDNN
+(``aten::mkldnn_rnn_layer``: one fused primitive per direction, gates saved in its workspace for the
+backward, ``aten::mkldnn_rnn_layer_backward``), 1.7-3x faster than its own native loop. tandem's
+plain-PyTorch kernel (:mod:`tandem.ops.lstm.reference`) reaches the native loop's speed and more, not
+oneDNN's: a time step of eager ops cannot match a JIT-compiled fused cell (BENCHMARKS.md, lstm). So where
+torch would run oneDNN, tandem.nn.LSTM runs the same primitive, called the way torch calls it, with the
+same results bit for bit; everywhere else (PackedSequence input, where torch falls back to its native
+loop; proj_size; float64; oneDNN disabled with ``torch.backends.mkldnn.flags(enabled=False)``) tandem's
+own kernel runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["onednn_applies", "lstm_layer_onednn"]
+
+_MODE_LSTM = 2  # cuDNN's RNN mode numbering, which the aten RNN ops share
+
+
+def onednn_applies(x: Tensor, packed: bool, proj_size: int) -> bool:
+    """Whether torch.nn.LSTM would run oneDNN for this layer input: ``x`` ``[T*B, I]`` rows of a padded
+    batch (``packed`` False: torch runs its native loop on PackedSequences) on the CPU, float32, no
+    projection, oneDNN available and enabled (``torch.backends.mkldnn``), this torch having the per-layer
+    op, and eager mode."""
+    return (
+        not packed
+        and not torch.compiler.is_compiling()  # torch.compile traces tandem's own op (a single node)
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and proj_size == 0
+        and torch.backends.mkldnn.is_available()
+        and torch._C._get_mkldnn_enabled()
+        and hasattr(torch.ops.aten, "mkldnn_rnn_layer")
+    )
+
+
+def lstm_layer_onednn(
+    x: Tensor,
+    batch: int,
+    h0: Tensor,
+    c0: Tensor,
+    weights: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM layer over ``x`` ``[T*B, I]`` (time-major rows of ``batch`` sequences of equal length)
+    with oneDNN; ``weights`` holds ``(w_ih, w_hh, b_ih, b_hh)`` per direction (the module's own
+    parameters: autograd reaches them directly). Returns ``(y [T*B, D*H], h_n [D, B, H], c_n [D, B, H])``
+    like :func:`tandem.ops.lstm`."""
+    steps = x.shape[0] // batch
+    x3 = x.view(steps, batch, x.shape[1])
+    hid = c0.shape[-1]
+    # the workspace (the saved gates) is only built when a backward can follow
+    train = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, h0, c0, *(w for ws in weights for w in ws))
+    )
+    ys, hs, cs = [], [], []
+    for d, (w_ih, w_hh, b_ih, b_hh) in enumerate(weights):
+        has_bias = b_ih is not None
+        if not has_bias:
+            b_ih = b_hh = w_ih.new_zeros(4 * hid)
+        y, h_n, c_n, _ = torch.ops.aten.mkldnn_rnn_layer(
+            x3, w_ih, w_hh, b_ih, b_hh, h0[d], c0[d], d == 1, [], _MODE_LSTM, hid, 1, has_bias, False, False,
+            train,
+        )  # fmt: skip
+        ys.append(y)
+        hs.append(h_n)
+        cs.append(c_n)
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+    return y.view(steps * batch, y.shape[-1]), torch.stack(hs), torch.stack(cs)
