@@ -9,6 +9,7 @@ instance of every launch in Python.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -311,6 +312,34 @@ def test_triton_kernel_persistent_where_the_weights_fit(hidden: int, monkeypatch
     assert [spy.launches for spy in spies.values()] == expected
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_kernel_half_precision_both_time_loops_agree(dtype: torch.dtype, monkeypatch):
+    """In half precision the persistent and the per-step loops round the same values the same way:
+    under the interpreter (CPU) outputs, saved buffers and gradients are equal bit for bit; a GPU build
+    may contract and order its float32 math differently, by an ulp or so."""
+    from tandem.ops.gru import triton as gru_triton
+
+    inputs = _layer_inputs([5, 5, 3, 1], 2, hidden=20)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in inputs)
+    x, bs, h0, w_ih, w_hh, _, _ = args
+    gen = torch.Generator().manual_seed(1)
+    results = []
+    for time_loop in ("persistent", "per-step"):
+        monkeypatch.setattr(gru_triton, "TIME_LOOP", time_loop)
+        y, h_n, *saved = gru_triton.gru_fwd_triton(*args)
+        if not results:
+            grads = [torch.randn(t.shape, generator=gen).to(t) for t in (y, h_n)]
+        grad = gru_triton.gru_bwd_triton(*grads, x, bs, h0, w_ih, w_hh, y, *saved, True, True)
+        results.append((y, h_n, *saved, *grad))
+    names = ["y", "h_n", "gates", "hn", "states", "dx", "dh0", "dw_ih", "dw_hh", "db_ih", "db_hh"]
+    for name, a, b in zip(names, *results):
+        if TRITON_DEVICE == "cpu":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=name)
+
+
 def test_persistent_kernels_take_the_hidden_sizes_in_the_table():
     pytest.importorskip("triton")
     from tandem.ops.gru import triton as gru_triton
@@ -328,26 +357,30 @@ def test_persistent_kernels_take_the_hidden_sizes_in_the_table():
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
 @pytest.mark.parametrize("precision", ["half", "tf32", "fp32", "fp64"])
 def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kind, precision, tmp_path):
-    """The largest hidden size of each entry of the persistent kernels' table compiles for sm_90 with
-    its num_warps and no local memory: the weights stay in registers, nothing spills."""
+    """Every hidden size of each entry of the persistent kernels' table compiles for sm_90 with its
+    num_warps and no local memory (both half dtypes): the weights stay in registers, nothing spills."""
     tl = pytest.importorskip("triton.language")
     from tandem.ops.gru import triton as gru_triton
 
-    warps = gru_triton._PERSISTENT_WARPS[kind, precision]
-    block = max(warps)
-    dtype = {"half": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
     fn = gru_triton._gru_fwd_persistent if kind == "fwd" else gru_triton._gru_bwd_persistent
-    constexprs = dict(H=block, COMPUTE=tl.float64 if precision == "fp64" else tl.float32, UPCAST=False)
-    constexprs |= dict(TF32=precision == "tf32", BLOCK_B=16, BLOCK_H=block)
-    if kind == "fwd":
-        constexprs["HAS_BIAS"] = True
-    signature = {}
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg in ("n_steps", "batch", "total"):
-            signature[arg] = "i32"
-        else:
-            signature[arg] = "*i32" if arg == "step_rows" else "*" + _DTYPE_NAMES[dtype]
-    built = compile_sm90(fn, signature, constexprs, num_warps=warps[block], enable_fp_fusion=True)
-    assert local_memory_bytes(built.asm["cubin"], tmp_path) == 0
+    compute = "fp64" if precision == "fp64" else "fp32"
+    dtypes = {"half": ["bf16", "fp16"], "fp64": ["fp64"]}.get(precision, ["fp32"])
+    table = gru_triton._PERSISTENT_WARPS[kind, precision]
+    for (block, warps), dtype in itertools.product(table.items(), dtypes):
+        constexprs = dict(H=block, COMPUTE=getattr(tl, f"float{compute[2:]}"), UPCAST=False)
+        constexprs |= dict(TF32=precision == "tf32", BLOCK_B=16, BLOCK_H=block)
+        if kind == "fwd":
+            constexprs["HAS_BIAS"] = True
+        signature = {}
+        for arg in fn.arg_names:
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+            elif arg in ("n_steps", "batch", "total"):
+                signature[arg] = "i32"
+            elif arg == "dh0":  # written in the compute dtype
+                signature[arg] = f"*{compute}"
+            else:
+                signature[arg] = "*i32" if arg == "step_rows" else f"*{dtype}"
+        built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
+        stack = local_memory_bytes(built.asm["cubin"], tmp_path)
+        assert stack == 0, f"{dtype} BLOCK_H {block}, {warps} warps: {stack} bytes of stack"

@@ -106,7 +106,7 @@ def _gru_fwd_step(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    d = tl.program_id(0)
+    d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
     rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     rj = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     mb = rb < n_rows
@@ -114,7 +114,7 @@ def _gru_fwd_step(
     acc_r = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
     acc_z = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
     acc_n = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
-    p_prev = h_prev + d * stride_prev_d + (prev_row0 + rb)[:, None] * H
+    p_prev = h_prev + d * stride_prev_d + (prev_row0 + rb).to(tl.int64)[:, None] * H
     p_w = w_hh + d * 3 * H * H + rj[None, :] * H  # W_hh^T tile: [K, j]
     for k0 in range(0, H, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -126,7 +126,7 @@ def _gru_fwd_step(
         acc_n = dot(h, tl.load(p_w + 2 * H * H + rk[:, None], mask=mw, other=0.0), acc_n, UPCAST, TF32)
 
     m = mb[:, None] & mj[None, :]
-    p_g = gates + d * total * 3 * H + (row0 + rb)[:, None] * (3 * H) + rj[None, :]
+    p_g = gates + d * total * 3 * H + (row0 + rb).to(tl.int64)[:, None] * (3 * H) + rj[None, :]
     r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + acc_r)
     z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + acc_z)
     hn = acc_n
@@ -140,7 +140,7 @@ def _gru_fwd_step(
     tl.store(p_g, r.to(out_dtype), mask=m)
     tl.store(p_g + H, z.to(out_dtype), mask=m)
     tl.store(p_g + 2 * H, n.to(out_dtype), mask=m)
-    p_row = d * total * H + (row0 + rb)[:, None] * H + rj[None, :]
+    p_row = d * total * H + (row0 + rb).to(tl.int64)[:, None] * H + rj[None, :]
     tl.store(hn_out + p_row, hn.to(out_dtype), mask=m)
     tl.store(states + p_row, h.to(out_dtype), mask=m)
 
@@ -168,7 +168,7 @@ def _gru_bwd_step(
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    d = tl.program_id(0)
+    d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
     pid_k = tl.program_id(2)
     rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -176,8 +176,8 @@ def _gru_bwd_step(
     mk = rk < H
     dt = gates.dtype.element_ty
     p_carry = d * batch * H + rb[:, None] * H  # + column
-    p_row = d * total * H + (row0 + rb)[:, None] * H  # + column, [D, P, H] buffers
-    p_row3 = d * total * 3 * H + (row0 + rb)[:, None] * (3 * H)  # + column, [D, P, 3H] buffers
+    p_row = d * total * H + (row0 + rb).to(tl.int64)[:, None] * H  # + column, [D, P, H] buffers
+    p_row3 = d * total * 3 * H + (row0 + rb).to(tl.int64)[:, None] * (3 * H)  # + column, [D, P, 3H] buffers
     p_w = w_hh + d * 3 * H * H + rk[None, :]  # + j * H: a [j, k] tile of W_hh
     acc = tl.zeros((BLOCK_B, BLOCK_K), COMPUTE)
     for j0 in range(0, H, BLOCK_J):
@@ -234,7 +234,7 @@ def _gru_fwd_persistent(
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= H: a program owns every column of its rows
 ):
-    d = tl.program_id(0)
+    d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
     b0 = tl.program_id(1) * BLOCK_B
     rb = b0 + tl.arange(0, BLOCK_B)
     rj = tl.arange(0, BLOCK_H)
@@ -261,7 +261,7 @@ def _gru_fwd_persistent(
             hn = dot(h, w_n, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
             if HAS_BIAS:
                 hn += bias[None, :]
-            p_g = gates + d * total * 3 * H + (row0 + rb)[:, None] * (3 * H) + rj[None, :]
+            p_g = gates + d * total * 3 * H + (row0 + rb).to(tl.int64)[:, None] * (3 * H) + rj[None, :]
             r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + acc_r)
             z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + acc_z)
             n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * r * hn) - 1.0
@@ -269,7 +269,7 @@ def _gru_fwd_persistent(
             tl.store(p_g, r.to(out_dtype), mask=m)
             tl.store(p_g + H, z.to(out_dtype), mask=m)
             tl.store(p_g + 2 * H, n.to(out_dtype), mask=m)
-            p_row = d * total * H + (row0 + rb)[:, None] * H + rj[None, :]
+            p_row = d * total * H + (row0 + rb).to(tl.int64)[:, None] * H + rj[None, :]
             tl.store(hn_out + p_row, hn.to(out_dtype), mask=m)
             h = h_new.to(out_dtype)
             tl.store(states + p_row, h, mask=m)
@@ -278,7 +278,7 @@ def _gru_fwd_persistent(
 @triton.jit
 def _gru_bwd_persistent(
     dh_n,  # [D, B, H]: dL/dh_n, each sequence's carried gradient from its last step on
-    dh0,  # [D, B, H]: out: dL/dh0
+    dh0,  # [D, B, H] in the compute dtype: out: dL/dh0
     grad_out,  # [D, P, H]: the output's gradient, step-packed
     gates,  # [D, P, 3H]: r, z, n
     hn,  # [D, P, H]: W_hn h_prev + b_hn
@@ -297,7 +297,7 @@ def _gru_bwd_persistent(
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= H: a program owns every column of its rows
 ):
-    d = tl.program_id(0)
+    d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
     b0 = tl.program_id(1) * BLOCK_B
     rb = b0 + tl.arange(0, BLOCK_B)
     rj = tl.arange(0, BLOCK_H)
@@ -319,8 +319,8 @@ def _gru_bwd_persistent(
             row0 = tl.load(step_rows + n_steps + s)
             mb = rb < n_rows
             m = mb[:, None] & mj[None, :]
-            p_row = d * total * H + (row0 + rb)[:, None] * H + rj[None, :]
-            p_row3 = d * total * 3 * H + (row0 + rb)[:, None] * (3 * H) + rj[None, :]
+            p_row = d * total * H + (row0 + rb).to(tl.int64)[:, None] * H + rj[None, :]
+            p_row3 = d * total * 3 * H + (row0 + rb).to(tl.int64)[:, None] * (3 * H) + rj[None, :]
             dh = carry + tl.load(grad_out + p_row, mask=m, other=0.0).to(COMPUTE)
             r = tl.load(gates + p_row3, mask=m, other=0.0).to(COMPUTE)
             z = tl.load(gates + p_row3 + H, mask=m, other=0.0).to(COMPUTE)
@@ -341,7 +341,7 @@ def _gru_bwd_persistent(
             acc = dot(dn_h, w_n, acc, UPCAST, TF32)
             # rows that have not started yet (shorter sequences) keep their dh_n
             carry = tl.where(mb[:, None], acc, carry)
-    tl.store(dh0 + p_carry, carry.to(dh0.dtype.element_ty), mask=m_carry)
+    tl.store(dh0 + p_carry, carry, mask=m_carry)
 
 
 def _temporaries(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
@@ -448,13 +448,16 @@ def gru_bwd_triton(
     meta = _common_meta(x, hid)
     persistent = _persistent_meta("bwd", x, hid)
     if persistent:
-        dh0 = torch.empty_like(h0)
+        # rounded to h0's dtype here, as the per-step loop's carry (Triton's interpreter rounds float32 to
+        # bfloat16 toward zero, torch to nearest)
+        dh0 = torch.empty_like(h0, dtype=compute_dtype(x.dtype)[0])
         grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
         rows = step_rows(steps, x.device)
         _gru_bwd_persistent[grid](
             dh_n.contiguous(), dh0, grad_out, gates, hn, states, w_hh, dgates, dn_in, rows, len(steps.sizes),
             batch, total, **meta, **persistent,
         )  # fmt: skip
+        dh0 = dh0.to(h0.dtype)
     else:
         carry = [dh_n.to(compute_dtype(x.dtype)[0], copy=True).contiguous() for _ in range(2)]
         meta |= _step_meta("bwd", x.dtype, batch, hid)
