@@ -22,8 +22,9 @@ from tandem.bench.registry import OpBench, Shape, register
 
 __all__ = ["LSTM_BENCH"]
 
-# The GPU grid (shapes of the Triton kernels' issue): float32 and float16, uni- and bidirectional.
-_GPU_SIZES = ((1024, 16, 768, 768), (100, 32, 512, 512), (200, 64, 1024, 1024))  # T, B, I, H
+# The GPU grid (shapes of the Triton kernels' issue): float32 and float16, uni- and bidirectional; the
+# last size is one where the persistent kernels run.
+_GPU_SIZES = ((1024, 16, 768, 768), (100, 32, 512, 512), (200, 64, 1024, 1024), (100, 32, 64, 64))  # T B I H
 
 
 def _shape(
@@ -37,10 +38,15 @@ def _shape(
     return Shape(name, params, quick=quick, devices=devices)
 
 
-def _provider(cls: type[torch.nn.Module], mkldnn: bool = True):
+def _provider(cls: type[torch.nn.Module], mkldnn: bool = True, time_loop: str | None = None):
+    """``mkldnn=False``: oneDNN off (CPU only). ``time_loop``: tandem's Triton kernels run with this
+    TIME_LOOP (CUDA only)."""
+
     def factory(p: dict[str, Any], device: torch.device, mode: str):
         if not mkldnn and device.type != "cpu":
             return None  # oneDNN is a CPU library: nothing to turn off elsewhere
+        if time_loop is not None and device.type != "cuda":
+            return None
         dtype = getattr(torch, p["dtype"])
         model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device, dtype=dtype)
         x = torch.randn(p["T"], p["B"], p["I"], device=device, dtype=dtype)
@@ -62,6 +68,18 @@ def _provider(cls: type[torch.nn.Module], mkldnn: bool = True):
                 model(x)
 
         step = train if mode == "train" else forward
+        if time_loop is not None:
+
+            def with_time_loop() -> None:
+                from tandem.ops.lstm import triton as lstm_triton
+
+                saved, lstm_triton.TIME_LOOP = lstm_triton.TIME_LOOP, time_loop
+                try:
+                    step()
+                finally:
+                    lstm_triton.TIME_LOOP = saved
+
+            return with_time_loop
         if mkldnn:
             return step
 
@@ -82,6 +100,8 @@ LSTM_BENCH = register(
             "torch-no-mkldnn": _provider(torch.nn.LSTM, mkldnn=False),
             "tandem": _provider(tandem.nn.LSTM),
             "tandem-no-mkldnn": _provider(tandem.nn.LSTM, mkldnn=False),
+            # on CUDA: the per-step kernels also where the persistent ones run by default
+            "tandem-per-step": _provider(tandem.nn.LSTM, time_loop="per-step"),
         },
         shapes=(
             _shape(50, 32, 128, 256, quick=True),
