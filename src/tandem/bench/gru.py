@@ -13,6 +13,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import tandem
+from tandem.bench._rnn import with_time_loop
 from tandem.bench.registry import OpBench, Shape, register
 
 __all__ = ["GRU_BENCH"]
@@ -60,19 +61,7 @@ def _provider(cls: type[torch.nn.Module], time_loop: str | None = None):
                 model(inp)
 
         thunk = train if mode == "train" else forward
-        if time_loop is None:
-            return thunk
-
-        def with_time_loop() -> None:
-            from tandem.ops.gru import triton as gru_triton
-
-            saved, gru_triton.TIME_LOOP = gru_triton.TIME_LOOP, time_loop
-            try:
-                thunk()
-            finally:
-                gru_triton.TIME_LOOP = saved
-
-        return with_time_loop
+        return thunk if time_loop is None else with_time_loop(thunk, "tandem.ops.gru.triton", time_loop)
 
     return factory
 

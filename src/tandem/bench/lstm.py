@@ -18,6 +18,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import tandem
+from tandem.bench._rnn import with_time_loop
 from tandem.bench.registry import OpBench, Shape, register
 
 __all__ = ["LSTM_BENCH"]
@@ -69,17 +70,7 @@ def _provider(cls: type[torch.nn.Module], mkldnn: bool = True, time_loop: str | 
 
         step = train if mode == "train" else forward
         if time_loop is not None:
-
-            def with_time_loop() -> None:
-                from tandem.ops.lstm import triton as lstm_triton
-
-                saved, lstm_triton.TIME_LOOP = lstm_triton.TIME_LOOP, time_loop
-                try:
-                    step()
-                finally:
-                    lstm_triton.TIME_LOOP = saved
-
-            return with_time_loop
+            return with_time_loop(step, "tandem.ops.lstm.triton", time_loop)
         if mkldnn:
             return step
 

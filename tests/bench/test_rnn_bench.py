@@ -1,0 +1,40 @@
+"""The GRU/LSTM benchmarks' variants: TIME_LOOP set around each call and restored, even on errors; the
+CUDA-only and CPU-only providers stay out of the other device's rows."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from tandem.bench._rnn import with_time_loop
+from tandem.bench.gru import GRU_BENCH
+from tandem.bench.lstm import LSTM_BENCH
+
+
+def test_with_time_loop_sets_and_restores(monkeypatch):
+    kernels = types.ModuleType("fake_kernels")
+    kernels.TIME_LOOP = "auto"
+    monkeypatch.setitem(sys.modules, "fake_kernels", kernels)
+    seen = []
+    with_time_loop(lambda: seen.append(kernels.TIME_LOOP), "fake_kernels", "per-step")()
+    assert seen == ["per-step"] and kernels.TIME_LOOP == "auto"
+
+    def fails():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with_time_loop(fails, "fake_kernels", "persistent")()
+    assert kernels.TIME_LOOP == "auto"
+
+
+@pytest.mark.parametrize("bench", [GRU_BENCH, LSTM_BENCH], ids=["gru", "lstm"])
+def test_device_only_providers_do_not_apply_elsewhere(bench):
+    params = dict(bench.shapes[0].params)
+    cpu = torch.device("cpu")
+    assert bench.providers["tandem-per-step"](params, cpu, "train") is None
+    if "tandem-no-mkldnn" in bench.providers:
+        assert bench.providers["tandem-no-mkldnn"](params, torch.device("meta"), "train") is None
+        assert callable(bench.providers["tandem-no-mkldnn"](params, cpu, "fwd"))
