@@ -1,4 +1,5 @@
-"""``tandem.nn.LSTM``: a drop-in ``torch.nn.LSTM`` whose layers run ``tandem::lstm_fwd`` / ``lstm_bwd``."""
+"""``tandem.nn.LSTM``: a drop-in ``torch.nn.LSTM`` whose layers run ``tandem::lstm_fwd`` / ``lstm_bwd``, or on
+the CPU, where torch.nn.LSTM itself runs oneDNN's fused LSTM, that same primitive."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ class LSTM(RNNLayers):
     Built on ``torch.nn.RNNBase`` (as ``torch.nn.LSTM`` is), so argument checks, parameter names
     (``weight_ih_l0``, ``weight_hr_l1_reverse``, ...), shapes, initialisation and ``state_dict`` are
     torch's own and load both ways. Each layer runs both directions at once through
-    :func:`tandem.ops.lstm`, on packed rows: padded frames of a ``PackedSequence`` cost nothing.
+    :func:`tandem.ops.lstm`, on packed rows: padded frames of a ``PackedSequence`` cost nothing. On the
+    CPU, for the inputs torch.nn.LSTM hands to oneDNN (padded float32, no projection, oneDNN enabled),
+    the layers run that same oneDNN primitive instead (:mod:`tandem.ops.lstm.onednn`): tandem's kernel
+    does not reach it there, and the results equal torch's bit for bit.
 
     Args:
         input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, proj_size,
