@@ -114,13 +114,17 @@ def _compare(case: Case, dtype: torch.dtype, atol: float, rtol: float) -> None:
         torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=name)
 
 
-@pytest.fixture(params=["persistent", "per-step"])
+@pytest.fixture(params=["persistent", "per-step", "per-step-graphs"])
 def kernel(request, monkeypatch):
-    """Each test that takes this fixture runs with both kinds of time loop, whatever the size."""
+    """Each test that takes this fixture runs with every kind of time loop, whatever the size: the
+    persistent kernels, the per-step kernels, and the per-step kernels recorded and replayed (CUDA graphs
+    on GPUs; on the CPU the same static-buffer handling around a plain replay)."""
     if TRITON_DEVICE is not None:
         from tandem.ops.gru import triton as gru_triton
 
-        monkeypatch.setattr(gru_triton, "TIME_LOOP", request.param)
+        monkeypatch.setattr(gru_triton, "TIME_LOOP", request.param.removesuffix("-graphs"))
+        monkeypatch.setattr(gru_triton, "CUDA_GRAPHS", request.param.endswith("-graphs"))
+        monkeypatch.setattr(gru_triton, "STEP_GRAPHS", gru_triton.StepGraphs())
     return request.param
 
 
@@ -338,6 +342,38 @@ def test_triton_kernel_half_precision_both_time_loops_agree(dtype: torch.dtype, 
             assert torch.equal(a, b), name
         else:
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=name)
+
+
+@needs_triton
+def test_triton_kernel_recorded_loops_are_reused_with_new_data(monkeypatch):
+    """A recorded per-step loop serves every later call of the same problem with that call's data, a new
+    problem records its own, and only the ``capacity`` most recent ones are kept."""
+    from tandem.ops.gru import triton as gru_triton
+
+    monkeypatch.setattr(gru_triton, "TIME_LOOP", "per-step")
+    monkeypatch.setattr(gru_triton, "CUDA_GRAPHS", True)
+    graphs = gru_triton.StepGraphs(capacity=2)
+    monkeypatch.setattr(gru_triton, "STEP_GRAPHS", graphs)
+    kept = []
+    for sizes, seed in (([3, 2, 1], 0), ([3, 2, 1], 1), ([2, 2], 2), ([3, 2, 1], 3), ([3, 3], 4)):
+        args = _layer_inputs(sizes, 2, hidden=6)
+        args = tuple(a + seed if a.is_floating_point() else a for a in args)  # new data, same problem
+        y, h_n, *saved = torch.ops.tandem.gru_fwd(*args)
+        expected = gru_fwd_ref(*(a.cpu() for a in args))
+        for name, g, e in zip(("y", "h_n", "gates", "hn", "states"), (y, h_n, *saved), expected):
+            torch.testing.assert_close(g.cpu(), e, atol=1e-12, rtol=1e-12, msg=f"{sizes} {name}")
+        kept.append(((y, h_n, *saved), expected))
+        x, bs, h0, w_ih, w_hh, _, _ = args
+        grads = (torch.randn_like(y), torch.randn_like(h_n))
+        got = torch.ops.tandem.gru_bwd(*grads, x, bs, h0, w_ih, w_hh, y, *saved, True, True)
+        want = gru_bwd_ref(*(a.cpu() for a in (*grads, x, bs, h0, w_ih, w_hh, y, *saved)), True, True)
+        for name, g, e in zip(("dx", "dh0", "dw_ih", "dw_hh", "db_ih", "db_hh"), got, want):
+            torch.testing.assert_close(g.cpu(), e, atol=1e-10, rtol=1e-10, msg=f"{sizes} {name}")
+    for got, expected in kept:  # later calls did not overwrite what earlier ones returned
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g.cpu(), e, atol=1e-12, rtol=1e-12)
+    # two problems, each recorded forward and backward: the last problem's two loops are kept
+    assert sorted((key[0], key[7]) for key in graphs._entries) == [("bwd", (3, 3)), ("fwd", (3, 3))]
 
 
 def test_persistent_kernels_take_the_hidden_sizes_in_the_table():

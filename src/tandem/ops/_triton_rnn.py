@@ -12,7 +12,16 @@ from torch import Tensor
 from tandem._device import to_device
 from tandem.ops._packed import PackedSteps
 
-__all__ = ["dot", "upcast", "tf32", "compute_dtype", "precision", "persistent_meta", "step_rows"]
+__all__ = [
+    "dot",
+    "upcast",
+    "tf32",
+    "compute_dtype",
+    "precision",
+    "persistent_meta",
+    "step_rows",
+    "StepGraphs",
+]
 
 
 @triton.jit
@@ -74,3 +83,63 @@ def persistent_meta(warps: dict[int, int], time_loop: str, hid: int) -> dict | N
 def step_rows(steps: PackedSteps, device: torch.device) -> Tensor:
     """``[2, T]`` int32 on ``device``: the active sequences of each step, then its first step-packed row."""
     return to_device(torch.tensor([steps.sizes, steps.offsets], dtype=torch.int32), device)
+
+
+class StepGraphs:
+    """Per-step launch loops recorded once per problem and replayed: no host gap between the steps.
+
+    ``run(key, loop, reads, updates, writes)`` keeps, per ``key`` (everything the launches depend on:
+    shapes, step sizes, dtypes, block sizes), static copies of the buffers the loop touches and the loop
+    recorded over them. Each call copies ``reads`` and ``updates`` into the static buffers, replays, and
+    returns fresh copies of ``updates`` and ``writes`` (saved for the backward, so the next call must not
+    overwrite them) and the static ``scratch`` buffers (valid until the next call). On a GPU the record is
+    a CUDA graph (one warm-up run first, so Triton compiles outside the capture); on the CPU (Triton's
+    interpreter, the tests) replaying calls the loop again, which exercises the same buffer handling.
+    The ``capacity`` most recently used problems are kept.
+    """
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self._entries: dict = {}
+
+    def run(
+        self,
+        key: tuple,
+        loop,
+        reads: dict[str, Tensor],
+        updates: dict[str, Tensor],
+        writes: dict[str, Tensor],
+        scratch: dict[str, Tensor],
+    ) -> dict[str, Tensor]:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            static = {n: t.clone() for n, t in (reads | updates).items()}
+            static |= {n: torch.empty_like(t) for n, t in (writes | scratch).items()}
+            entry = (static, _record(lambda: loop(static), next(iter(static.values())).device))
+            while len(self._entries) >= self.capacity:
+                self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = entry  # most recently used last
+        static, replay = entry
+        for name, t in (reads | updates).items():
+            static[name].copy_(t)
+        replay()
+        out = {name: static[name].clone() for name in (*updates, *writes)}
+        return out | {name: static[name] for name in scratch}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _record(fn, device: torch.device):
+    """``fn``'s launches as a replayable callable: a CUDA graph on GPUs, ``fn`` itself elsewhere."""
+    if device.type != "cuda":
+        return fn
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # compiles the kernels, outside the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

@@ -34,8 +34,14 @@ never leaves its registers and no program waits for another; the weights are rea
 active rows and first packed row come from a small ``[2, T]`` table, and a block whose sequences have
 all ended (or, in reverse, not started) skips the step. Same saved buffers as the per-step kernels.
 
-Not yet done (no GPU was available to measure them): capturing the per-step launches in a CUDA graph,
-a persistent kernel for larger hidden sizes (weights spread over several programs, a grid-wide barrier
+``CUDA_GRAPHS`` records each problem's per-step loop once and replays it (a CUDA graph on GPUs,
+:class:`tandem.ops._triton_rnn.StepGraphs`): no host gap between the launches, at the cost of copying
+the loop's buffers in and out of the recorded ones. Off by default: no GPU has measured it, and the
+graph itself has never been captured (the tests run the same buffer handling around a plain replay on
+the CPU).
+
+Not yet done (no GPU was available to measure them): timing and turning on ``CUDA_GRAPHS``, a
+persistent kernel for larger hidden sizes (weights spread over several programs, a grid-wide barrier
 per step), and any tuning of the block sizes. ``TIME_LOOP`` picks the loop for every size, for
 measuring one against the other.
 """
@@ -47,7 +53,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tandem.ops._triton_rnn import compute_dtype, dot, persistent_meta, precision, step_rows, tf32, upcast
+from tandem.ops._triton_rnn import (
+    StepGraphs,
+    compute_dtype,
+    dot,
+    persistent_meta,
+    precision,
+    step_rows,
+    tf32,
+    upcast,
+)
 from tandem.ops._workspace import scratch
 from tandem.ops.gru.reference import (
     gru_bwd_epilogue,
@@ -61,6 +76,11 @@ __all__ = ["gru_fwd_triton", "gru_bwd_triton"]
 # FMA contraction on, and said so: Triton 3.10 turns its default off, and the fused form is the more
 # accurate one.
 _FMA = dict(enable_fp_fusion=True)
+
+# Whether the per-step loops are recorded once per problem and replayed (CUDA graphs on GPUs): no host
+# gap between steps. Off until measured on a GPU (none has been lent yet); tests run it on the CPU.
+CUDA_GRAPHS = False
+STEP_GRAPHS = StepGraphs()
 
 # Which time loop runs: "auto" (the persistent kernels where _PERSISTENT_WARPS has the hidden size, the
 # per-step kernels elsewhere), or "persistent" / "per-step" for every size (tests, benchmarks).
@@ -404,14 +424,28 @@ def gru_fwd_triton(
         return gru_fwd_epilogue(steps, y, gates, hn, states)
 
     meta |= _step_meta("fwd", x.dtype, batch, hid)
-    prev, stride_prev, prev_row0 = h0, batch * hid, 0
-    for s, n in enumerate(steps.sizes):
-        grid = (d_, triton.cdiv(n, meta["BLOCK_B"]), triton.cdiv(hid, meta["BLOCK_H"]))
-        row0 = steps.offsets[s]
-        _gru_fwd_step[grid](
-            gates, hn, states, prev, stride_prev, prev_row0, w_hh, b_hn, row0, n, total, **meta
-        )
-        prev, stride_prev, prev_row0 = states, total * hid, row0
+
+    def loop(b: dict[str, Tensor]) -> None:
+        prev, stride_prev, prev_row0 = b["h0"], batch * hid, 0
+        for s, n in enumerate(steps.sizes):
+            grid = (d_, triton.cdiv(n, meta["BLOCK_B"]), triton.cdiv(hid, meta["BLOCK_H"]))
+            row0 = steps.offsets[s]
+            _gru_fwd_step[grid](
+                b["gates"], b["hn"], b["states"], prev, stride_prev, prev_row0, b["w_hh"], b["b_hn"], row0, n,
+                total, **meta,
+            )  # fmt: skip
+            prev, stride_prev, prev_row0 = b["states"], total * hid, row0
+
+    reads = dict(h0=h0, w_hh=w_hh, b_hn=b_hn)
+    if CUDA_GRAPHS:
+        key = ("fwd", x.device, x.dtype, d_, batch, hid, total, tuple(steps.sizes))
+        key += (tuple(sorted(meta.items())),)
+        out = STEP_GRAPHS.run(key, loop, reads, dict(gates=gates), dict(hn=hn, states=states), {})
+        gates, hn, states = out["gates"], out["hn"], out["states"]
+        if d_ == 1:
+            y = states.view(total, hid)  # one direction: the states are the output
+    else:
+        loop(reads | dict(gates=gates, hn=hn, states=states))
     return gru_fwd_epilogue(steps, y, gates, hn, states)
 
 
@@ -459,17 +493,34 @@ def gru_bwd_triton(
         )  # fmt: skip
         dh0 = dh0.to(h0.dtype)
     else:
-        carry = [dh_n.to(compute_dtype(x.dtype)[0], copy=True).contiguous() for _ in range(2)]
         meta |= _step_meta("bwd", x.dtype, batch, hid)
-        for i, s in enumerate(range(len(steps.sizes) - 1, -1, -1)):
-            n = steps.sizes[s]
-            grid = (d_, triton.cdiv(n, meta["BLOCK_B"]), triton.cdiv(hid, meta["BLOCK_K"]))
-            src, dst = carry[i % 2], carry[(i + 1) % 2]
-            _gru_bwd_step[grid](
-                src, dst, grad_out, gates, hn, states, w_hh, dgates, dn_in, steps.offsets[s], n, batch,
-                total, **meta,
-            )  # fmt: skip
-        dh0 = carry[len(steps.sizes) % 2].to(h0.dtype)
+        # the carried gradient ping-pongs between two buffers, both starting as dh_n; the last one written
+        # holds dh0
+        last = f"carry{len(steps.sizes) % 2}"
+
+        def loop(b: dict[str, Tensor]) -> None:
+            carry = (b["carry0"], b["carry1"])
+            for i, s in enumerate(range(len(steps.sizes) - 1, -1, -1)):
+                n = steps.sizes[s]
+                grid = (d_, triton.cdiv(n, meta["BLOCK_B"]), triton.cdiv(hid, meta["BLOCK_K"]))
+                _gru_bwd_step[grid](
+                    carry[i % 2], carry[(i + 1) % 2], b["grad_out"], b["gates"], b["hn"], b["states"],
+                    b["w_hh"], b["dgates"], b["dn_in"], steps.offsets[s], n, batch, total, **meta,
+                )  # fmt: skip
+
+        carry0 = dh_n.to(compute_dtype(x.dtype)[0], copy=True).contiguous()
+        reads = dict(carry0=carry0, carry1=carry0.clone(), grad_out=grad_out, gates=gates, hn=hn)
+        reads |= dict(states=states.contiguous(), w_hh=w_hh)
+        if CUDA_GRAPHS:
+            key = ("bwd", x.device, x.dtype, d_, batch, hid, total, tuple(steps.sizes))
+            key += (tuple(sorted(meta.items())),)
+            updates = {last: reads.pop(last)}
+            out = STEP_GRAPHS.run(key, loop, reads, updates, {}, dict(dgates=dgates, dn_in=dn_in))
+            dgates, dn_in, dh0 = out["dgates"], out["dn_in"], out[last]
+        else:
+            loop(reads | dict(dgates=dgates, dn_in=dn_in))
+            dh0 = reads[last]
+        dh0 = dh0.to(h0.dtype)
     dx, dw_ih, dw_hh, db_ih, db_hh = gru_bwd_epilogue(
         steps, x, h0, w_ih, states, dgates, dn_in, has_bias, need_dx, xs, h_prev
     )
