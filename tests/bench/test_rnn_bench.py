@@ -9,24 +9,31 @@ import types
 import pytest
 import torch
 
-from tandem.bench._rnn import with_time_loop
+from tandem.bench._rnn import with_kernel_settings
 from tandem.bench.gru import GRU_BENCH
 from tandem.bench.lstm import LSTM_BENCH
 
 
-def test_with_time_loop_sets_and_restores(monkeypatch):
+def test_kernel_settings_are_set_and_restored(monkeypatch):
     kernels = types.ModuleType("fake_kernels")
     kernels.TIME_LOOP = "auto"
     monkeypatch.setitem(sys.modules, "fake_kernels", kernels)
     seen = []
-    with_time_loop(lambda: seen.append(kernels.TIME_LOOP), "fake_kernels", "per-step")()
-    assert seen == ["per-step"] and kernels.TIME_LOOP == "auto"
+    kernels.CUDA_GRAPHS = False
+    run = with_kernel_settings(
+        lambda: seen.append((kernels.TIME_LOOP, kernels.CUDA_GRAPHS)),
+        "fake_kernels",
+        TIME_LOOP="per-step",
+        CUDA_GRAPHS=True,
+    )
+    run()
+    assert seen == [("per-step", True)] and (kernels.TIME_LOOP, kernels.CUDA_GRAPHS) == ("auto", False)
 
     def fails():
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        with_time_loop(fails, "fake_kernels", "persistent")()
+        with_kernel_settings(fails, "fake_kernels", TIME_LOOP="persistent")()
     assert kernels.TIME_LOOP == "auto"
 
 
@@ -34,7 +41,9 @@ def test_with_time_loop_sets_and_restores(monkeypatch):
 def test_device_only_providers_do_not_apply_elsewhere(bench):
     params = dict(bench.shapes[0].params)
     cpu = torch.device("cpu")
-    assert bench.providers["tandem-per-step"](params, cpu, "train") is None
+    for name in ("tandem-per-step", "tandem-graphs"):
+        if name in bench.providers:
+            assert bench.providers[name](params, cpu, "train") is None
     if "tandem-no-mkldnn" in bench.providers:
         assert bench.providers["tandem-no-mkldnn"](params, torch.device("meta"), "train") is None
         assert callable(bench.providers["tandem-no-mkldnn"](params, cpu, "fwd"))

@@ -13,7 +13,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import tandem
-from tandem.bench._rnn import with_time_loop
+from tandem.bench._rnn import with_kernel_settings
 from tandem.bench.registry import OpBench, Shape, register
 
 __all__ = ["GRU_BENCH"]
@@ -34,11 +34,12 @@ def _shape(
     return Shape(name, params, quick=quick, devices=devices)
 
 
-def _provider(cls: type[torch.nn.Module], time_loop: str | None = None):
-    """``time_loop``: run tandem's Triton kernels with this TIME_LOOP (CUDA only; None elsewhere)."""
+def _provider(cls: type[torch.nn.Module], **settings: Any):
+    """``settings``: attributes of tandem's GRU Triton kernels module (``TIME_LOOP``, ``CUDA_GRAPHS``)
+    set while the provider runs; CUDA only (None elsewhere)."""
 
     def factory(p: dict[str, Any], device: torch.device, mode: str):
-        if time_loop is not None and device.type != "cuda":
+        if settings and device.type != "cuda":
             return None
         dtype = getattr(torch, p["dtype"])
         model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device, dtype=dtype)
@@ -61,7 +62,7 @@ def _provider(cls: type[torch.nn.Module], time_loop: str | None = None):
                 model(inp)
 
         thunk = train if mode == "train" else forward
-        return thunk if time_loop is None else with_time_loop(thunk, "tandem.ops.gru.triton", time_loop)
+        return with_kernel_settings(thunk, "tandem.ops.gru.triton", **settings) if settings else thunk
 
     return factory
 
@@ -72,8 +73,10 @@ GRU_BENCH = register(
         providers={
             "torch": _provider(torch.nn.GRU),
             "tandem": _provider(tandem.nn.GRU),
-            # on CUDA: the per-step kernels also where the persistent ones run by default
-            "tandem-per-step": _provider(tandem.nn.GRU, time_loop="per-step"),
+            # on CUDA: the per-step kernels also where the persistent ones run by default, and the per-step
+            # loops recorded as CUDA graphs
+            "tandem-per-step": _provider(tandem.nn.GRU, TIME_LOOP="per-step"),
+            "tandem-graphs": _provider(tandem.nn.GRU, CUDA_GRAPHS=True),
         },
         shapes=(
             _shape(50, 32, 128, 256, quick=True),

@@ -18,7 +18,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import tandem
-from tandem.bench._rnn import with_time_loop
+from tandem.bench._rnn import with_kernel_settings
 from tandem.bench.registry import OpBench, Shape, register
 
 __all__ = ["LSTM_BENCH"]
@@ -70,7 +70,7 @@ def _provider(cls: type[torch.nn.Module], mkldnn: bool = True, time_loop: str | 
 
         step = train if mode == "train" else forward
         if time_loop is not None:
-            return with_time_loop(step, "tandem.ops.lstm.triton", time_loop)
+            return with_kernel_settings(step, "tandem.ops.lstm.triton", TIME_LOOP=time_loop)
         if mkldnn:
             return step
 
