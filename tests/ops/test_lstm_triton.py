@@ -90,14 +90,17 @@ def tiles(monkeypatch):
     return shrink
 
 
-@pytest.fixture(params=["persistent", "per-step"])
+@pytest.fixture(params=["persistent", "per-step", "per-step-graphs"])
 def kernel(request, monkeypatch):
-    """Each test that takes this fixture runs with both kinds of time loop, whatever the size (with a
-    projection both are the per-step kernels)."""
+    """Each test that takes this fixture runs with every kind of time loop, whatever the size (with a
+    projection the first two are the per-step kernels): persistent, per-step, and per-step recorded and
+    replayed (CUDA graphs on GPUs; on the CPU the same static-buffer handling around a plain replay)."""
     if TRITON_DEVICE is not None:
         from tandem.ops.lstm import triton as lstm_triton
 
-        monkeypatch.setattr(lstm_triton, "TIME_LOOP", request.param)
+        monkeypatch.setattr(lstm_triton, "TIME_LOOP", request.param.removesuffix("-graphs"))
+        monkeypatch.setattr(lstm_triton, "CUDA_GRAPHS", request.param.endswith("-graphs"))
+        monkeypatch.setattr(lstm_triton, "STEP_GRAPHS", lstm_triton.StepGraphs())
     return request.param
 
 
@@ -301,6 +304,43 @@ def test_triton_kernel_backward_matches_reference(case: Case, used: str, need_dx
     for name, a, b in zip(["dx", "dh0", "dc0", "dw_ih", "dw_hh", "db_ih", "db_hh", "dw_hr"], got, expected):
         assert a.shape == b.shape, name
         torch.testing.assert_close(a.cpu(), b, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@needs_triton
+@pytest.mark.parametrize("proj", [0, 2], ids=["", "proj2"])
+def test_triton_kernel_recorded_loops_are_reused_with_new_data(proj: int, monkeypatch):
+    """A recorded per-step loop serves every later call of the same problem with that call's data, what
+    earlier calls returned survives later ones, and only the ``capacity`` most recent problems are kept."""
+    from tandem.ops.lstm import triton as lstm_triton
+
+    monkeypatch.setattr(lstm_triton, "TIME_LOOP", "per-step")
+    monkeypatch.setattr(lstm_triton, "CUDA_GRAPHS", True)
+    graphs = lstm_triton.StepGraphs(capacity=2)
+    monkeypatch.setattr(lstm_triton, "STEP_GRAPHS", graphs)
+    kept = []
+    problems = [(4, 0), (4, 1), (3, 2), (4, 3), (2, 4)]  # (steps, seed): same problem, new data, ...
+    for steps, seed in problems:
+        case = Case(bidirectional=True, input="packed-unsorted", steps=steps, batch=3, proj=proj)
+        args = tuple(a + seed if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                     for a in _op_inputs(case))  # fmt: skip
+        cpu = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+        got = lstm_triton.lstm_fwd_triton(*args)
+        expected = lstm_fwd_ref(*cpu)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-12, msg=f"T{steps} seed {seed}")
+        kept.append((got, expected))
+        y, h_n, c_n, *saved = got
+        grads = [torch.randn_like(t) for t in (y, h_n, c_n)]
+        x, bs, h0, c0, w_ih, w_hh, _, _, w_hr = args
+        rest = (x, bs, h0, c0, w_ih, w_hh, w_hr, y, *saved, True, True)
+        got_bwd = lstm_triton.lstm_bwd_triton(*grads, *rest)
+        want = lstm_bwd_ref(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in (*grads, *rest)))
+        for a, b in zip(got_bwd, want):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-10, atol=1e-10, msg=f"T{steps} seed {seed}")
+    for got, expected in kept:
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-12)
+    assert sorted(key[0] for key in graphs._entries) == ["bwd", "fwd"]  # the last problem's two loops
 
 
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")

@@ -39,14 +39,14 @@ def _shape(
     return Shape(name, params, quick=quick, devices=devices)
 
 
-def _provider(cls: type[torch.nn.Module], mkldnn: bool = True, time_loop: str | None = None):
-    """``mkldnn=False``: oneDNN off (CPU only). ``time_loop``: tandem's Triton kernels run with this
-    TIME_LOOP (CUDA only)."""
+def _provider(cls: type[torch.nn.Module], mkldnn: bool = True, **settings: Any):
+    """``mkldnn=False``: oneDNN off (CPU only). ``settings``: attributes of tandem's LSTM Triton kernels
+    module (``TIME_LOOP``, ``CUDA_GRAPHS``) set while the provider runs (CUDA only)."""
 
     def factory(p: dict[str, Any], device: torch.device, mode: str):
         if not mkldnn and device.type != "cpu":
             return None  # oneDNN is a CPU library: nothing to turn off elsewhere
-        if time_loop is not None and device.type != "cuda":
+        if settings and device.type != "cuda":
             return None
         dtype = getattr(torch, p["dtype"])
         model = cls(p["I"], p["H"], num_layers=p["L"], bidirectional=p["bi"], device=device, dtype=dtype)
@@ -69,8 +69,8 @@ def _provider(cls: type[torch.nn.Module], mkldnn: bool = True, time_loop: str | 
                 model(x)
 
         step = train if mode == "train" else forward
-        if time_loop is not None:
-            return with_kernel_settings(step, "tandem.ops.lstm.triton", TIME_LOOP=time_loop)
+        if settings:
+            return with_kernel_settings(step, "tandem.ops.lstm.triton", **settings)
         if mkldnn:
             return step
 
@@ -91,8 +91,10 @@ LSTM_BENCH = register(
             "torch-no-mkldnn": _provider(torch.nn.LSTM, mkldnn=False),
             "tandem": _provider(tandem.nn.LSTM),
             "tandem-no-mkldnn": _provider(tandem.nn.LSTM, mkldnn=False),
-            # on CUDA: the per-step kernels also where the persistent ones run by default
-            "tandem-per-step": _provider(tandem.nn.LSTM, time_loop="per-step"),
+            # on CUDA: the per-step kernels also where the persistent ones run by default, and the per-step
+            # loops recorded as CUDA graphs
+            "tandem-per-step": _provider(tandem.nn.LSTM, TIME_LOOP="per-step"),
+            "tandem-graphs": _provider(tandem.nn.LSTM, CUDA_GRAPHS=True),
         },
         shapes=(
             _shape(50, 32, 128, 256, quick=True),

@@ -48,7 +48,11 @@ sequences have all ended (or, in reverse, not started) skips the step; in the ba
 started keep their dh_n and dc_n. h and C are rounded to the buffers' dtype between steps, as the per-step
 kernels read them back, and the saved buffers are the same, so either backward reads either forward.
 
-Not done yet: no CUDA-graph capture of the per-step loop, no persistent kernel with a projection (the
+``CUDA_GRAPHS`` records each problem's per-step loop (the projection's per-step bmm included) once and
+replays it, as the GRU's (:class:`tandem.ops._triton_rnn.StepGraphs`); off by default, never captured on
+a GPU yet (the tests run the same buffer handling around a plain replay on the CPU).
+
+Not done yet: measuring and turning on ``CUDA_GRAPHS``, no persistent kernel with a projection (the
 per-step bmm stays) or for larger hidden sizes (weights spread over several programs, a grid-wide barrier
 per step); block sizes and pipeline stages are untuned; nothing here has been run or timed on a GPU yet.
 ``TIME_LOOP`` picks the loop for every size, for measuring one against the other. The kernels are tested
@@ -65,7 +69,16 @@ import triton.language as tl
 from torch import Tensor
 
 from tandem.ops._packed import PackedSteps
-from tandem.ops._triton_rnn import compute_dtype, dot, persistent_meta, precision, step_rows, tf32, upcast
+from tandem.ops._triton_rnn import (
+    StepGraphs,
+    compute_dtype,
+    dot,
+    persistent_meta,
+    precision,
+    step_rows,
+    tf32,
+    upcast,
+)
 from tandem.ops.lstm.reference import _gate_scale, dy_by_direction, fwd_epilogue, fwd_prologue, param_grads
 
 __all__ = ["lstm_fwd_triton", "lstm_bwd_triton"]
@@ -83,6 +96,11 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
 # per-step kernels elsewhere), or "persistent" / "per-step" for every size (tests, benchmarks). With a
 # projection the per-step kernels always run.
 TIME_LOOP = "auto"
+
+# Whether the per-step loops are recorded once per problem and replayed (CUDA graphs on GPUs), as the
+# GRU's: off until measured on a GPU (none has been lent yet); tests run it on the CPU.
+CUDA_GRAPHS = False
+STEP_GRAPHS = StepGraphs()
 
 # The persistent kernels keep a direction's four recurrent weight tiles in registers for the whole time
 # loop. They run for the hidden sizes (padded to BLOCK_H) where the sm_90 build holds them without
@@ -477,29 +495,44 @@ def lstm_fwd_triton(
         return fwd_epilogue(fwd, batch, need_saved, False)
 
     block_b, block_h, block_r = _blocks(batch, hid, out_size)
-    # Per-step launch arguments, computed before the loop: (grid, h_prev, C_prev, o_row, o_prev, s_prev_d).
-    launches = [
-        (
-            (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_h)),
-            *((h0c, c0x2, 0, batch) if s == 0 else (fwd.states, fwd.cells, steps.offsets[s - 1], total)),
-            steps.offsets[s],
-            n,
-        )
-        for s, n in enumerate(steps.sizes)
-    ]
-    if w_hr is not None:
-        w_hr_t = w_hr.transpose(1, 2)  # [D, H, R]
-        projections = list(zip(steps.split(fwd.hr), steps.split(fwd.states)))
-    for s, (grid, h_prev, c_prev, o_prev, s_prev_d, o_row, n) in enumerate(launches):
-        _lstm_fwd_kernel[grid](
-            fwd.gates, fwd.cells, fwd.hr, h_prev, c_prev, w_hh_s, o_row, o_prev, s_prev_d, n, total, hid,
-            out_size, COMPUTE=compute, UPCAST=upcast(x), TF32=tf32(x), BLOCK_B=block_b, BLOCK_H=block_h,
-            BLOCK_R=block_r, **LAUNCH_OPTIONS,
-        )  # fmt: skip
-        if w_hr is not None:
-            hr_s, h_s = projections[s]
-            torch.bmm(hr_s, w_hr_t, out=h_s)
-    return fwd_epilogue(fwd, batch, need_saved, w_hr is not None)
+    has_proj = w_hr is not None
+    meta = dict(COMPUTE=compute, UPCAST=upcast(x), TF32=tf32(x), BLOCK_B=block_b, BLOCK_H=block_h)
+    meta |= dict(BLOCK_R=block_r, **LAUNCH_OPTIONS)
+
+    def loop(b: dict[str, Tensor]) -> None:
+        # without a projection the kernel writes the states itself (``hr`` is ``states``)
+        hr = b["hr"] if has_proj else b["states"]
+        if has_proj:
+            projections = list(zip(steps.split(hr), steps.split(b["states"])))
+        for s, n in enumerate(steps.sizes):
+            grid = (d_, triton.cdiv(n, block_b), triton.cdiv(hid, block_h))
+            if s == 0:
+                h_prev, c_prev, o_prev, s_prev_d = b["h0c"], b["c0x2"], 0, batch
+            else:
+                h_prev, c_prev, o_prev, s_prev_d = b["states"], b["cells"], steps.offsets[s - 1], total
+            _lstm_fwd_kernel[grid](
+                b["gates"], b["cells"], hr, h_prev, c_prev, b["w_hh_s"], steps.offsets[s], o_prev, s_prev_d,
+                n, total, hid, out_size, **meta,
+            )  # fmt: skip
+            if has_proj:
+                hr_s, h_s = projections[s]
+                torch.bmm(hr_s, b["w_hr_t"], out=h_s)
+
+    reads = dict(h0c=h0c, c0x2=c0x2, w_hh_s=w_hh_s)
+    if has_proj:
+        reads["w_hr_t"] = w_hr.transpose(1, 2)  # [D, H, R]
+    writes = dict(cells=fwd.cells, states=fwd.states) | (dict(hr=fwd.hr) if has_proj else {})
+    if CUDA_GRAPHS:
+        key = ("fwd", x.device, x.dtype, d_, batch, hid, out_size, total, tuple(steps.sizes), need_saved)
+        key += (tuple(sorted(meta.items())),)
+        out = STEP_GRAPHS.run(key, loop, reads, dict(gates=fwd.gates), writes, {})
+        states = out["states"]
+        y = states.view(total, out_size) if d_ == 1 else fwd.y  # one direction: the states are the output
+        hr = out["hr"] if has_proj else states
+        fwd = fwd._replace(y=y, gates=out["gates"], cells=out["cells"], hr=hr, states=states)
+    else:
+        loop(reads | dict(gates=fwd.gates) | writes)
+    return fwd_epilogue(fwd, batch, need_saved, has_proj)
 
 
 def lstm_bwd_triton(
@@ -565,47 +598,58 @@ def lstm_bwd_triton(
         dh0, dc0 = dh0.to(x.dtype), dc0.to(x.dtype)
     else:
         block_b, block_h, block_r = _blocks(batch, hid, out_size)
+        has_proj, has_dh = w_hr is not None, grad_h is not None
+        meta = dict(HAS_DH=has_dh, HAS_DHIN=not has_proj, COMPUTE=tl_compute, UPCAST=upcast(x), TF32=tf32(x))
+        meta |= dict(BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS)
 
-        # The carries, two of each (ping-pong), both seeded with the final states' gradients.
+        def loop(b: dict[str, Tensor]) -> None:
+            # the carries ping-pong: step s reads pair i_in and writes the other
+            dh_pp, dc_pp = (b["dh_pp0"], b["dh_pp1"]), (b["dc_pp0"], b["dc_pp1"])
+            # with a projection each step first turns dy + carry into dL/dh (kept in grad_h) and maps it
+            # back through W_hr into ``work``
+            g_h = steps.split(b["grad_h"]) if has_proj else None
+            for s in range(len(sizes) - 1, -1, -1):
+                n = sizes[s]
+                i_in = (len(sizes) - 1 - s) % 2
+                c_prev = (b["c0x2"], 0, batch) if s == 0 else (b["cells"], offsets[s - 1], total)
+                if has_proj:
+                    dh_src = b["work"][: d_ * n * hid].view(d_, n, hid)  # [D, n, H]
+                    g_h[s].add_(dh_pp[i_in][:, :n])
+                    torch.bmm(g_h[s], b["w_hr"], out=dh_src)
+                    dh_args = (dh_src, 0, n)
+                else:
+                    dh_args = (b["grad_h"] if has_dh else b["dz"], offsets[s], total)
+                grid = (d_, triton.cdiv(n, block_b), triton.cdiv(out_size, block_r))
+                _lstm_bwd_kernel[grid](
+                    b["gates"], b["cells"], c_prev[0], dh_args[0], dh_pp[i_in], dc_pp[i_in], dh_pp[1 - i_in],
+                    dc_pp[1 - i_in], b["dz"], b["w_hh_s"], offsets[s], c_prev[1], c_prev[2], dh_args[1],
+                    dh_args[2], n, total, batch, hid, out_size, **meta,
+                )  # fmt: skip
+
+        # The carries, two of each, both seeded with the final states' gradients.
         def seeded(last: Tensor | None, size: int) -> Tensor:
             t = torch.empty(d_, batch, size, dtype=compute, device=x.device)
             return t.zero_() if last is None else t.copy_(last)
 
-        dh_pp = [seeded(dh_n, out_size) for _ in range(2)]
-        dc_pp = [seeded(dc_n, hid) for _ in range(2)]
-
-        # Per-step launch arguments, computed before the loop. With a projection each step first turns
-        # dy + carry into dL/dh (kept in grad_h) and maps it back through W_hr into ``work``.
-        work = x.new_empty(d_ * batch * hid) if w_hr is not None else None
-        g_h = steps.split(grad_h) if w_hr is not None else None
-        launches = []
-        for s in range(len(sizes) - 1, -1, -1):
-            n = sizes[s]
-            i_in = (len(sizes) - 1 - s) % 2
-            c_prev = (c0x2, 0, batch) if s == 0 else (cells, offsets[s - 1], total)
-            if w_hr is not None:
-                dh_src = work[: d_ * n * hid].view(d_, n, hid)  # [D, n, H]
-                proj = (g_h[s], dh_pp[i_in][:, :n], dh_src)
-                dh_args = (dh_src, 0, n)
-            else:
-                proj = None
-                dh_args = (grad_h if grad_h is not None else dz, offsets[s], total)
-            grid = (d_, triton.cdiv(n, block_b), triton.cdiv(out_size, block_r))
-            launches.append((grid, i_in, *c_prev, *dh_args, offsets[s], n, proj))
-
-        for grid, i_in, c_prev, o_prev, s_prev_d, dh_src, o_dh, s_dh_d, o_row, n, proj in launches:
-            if proj is not None:
-                full_dh, carry, back = proj
-                full_dh.add_(carry)
-                torch.bmm(full_dh, w_hr, out=back)
-            _lstm_bwd_kernel[grid](
-                gates, cells, c_prev, dh_src, dh_pp[i_in], dc_pp[i_in], dh_pp[1 - i_in], dc_pp[1 - i_in], dz,
-                w_hh_s, o_row, o_prev, s_prev_d, o_dh, s_dh_d, n, total, batch, hid, out_size,
-                HAS_DH=grad_h is not None, HAS_DHIN=w_hr is None, COMPUTE=tl_compute, UPCAST=upcast(x),
-                TF32=tf32(x), BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS,
-            )  # fmt: skip
-        i_out = len(sizes) % 2  # the buffer step 0 wrote
-        dh0, dc0 = dh_pp[i_out].to(x.dtype), dc_pp[i_out].to(x.dtype)
+        reads = dict(dh_pp0=seeded(dh_n, out_size), dc_pp0=seeded(dc_n, hid))
+        reads |= dict(dh_pp1=reads["dh_pp0"].clone(), dc_pp1=reads["dc_pp0"].clone())
+        reads |= dict(gates=gates, cells=cells, c0x2=c0x2, w_hh_s=w_hh_s)
+        if has_proj:
+            reads["w_hr"] = w_hr.contiguous()
+        updates = dict(grad_h=grad_h) if has_dh else {}  # a projection adds the carries into grad_h
+        scratch = dict(dz=dz) | (dict(work=x.new_empty(d_ * batch * hid)) if has_proj else {})
+        i_out = len(sizes) % 2  # the pair step 0 wrote
+        for name in (f"dh_pp{i_out}", f"dc_pp{i_out}"):
+            updates[name] = reads.pop(name)
+        if CUDA_GRAPHS:
+            key = ("bwd", x.device, x.dtype, d_, batch, hid, out_size, total, tuple(sizes))
+            key += (tuple(sorted(meta.items())),)
+            out = STEP_GRAPHS.run(key, loop, reads, updates, {}, scratch)
+        else:
+            out = reads | updates | scratch
+            loop(out)
+        dz, grad_h = out["dz"], out["grad_h"] if has_dh else None
+        dh0, dc0 = out[f"dh_pp{i_out}"].to(x.dtype), out[f"dc_pp{i_out}"].to(x.dtype)
 
     dx, dw_ih, dw_hh, db_ih, db_hh, dw_hr = param_grads(
         dz, grad_h, x, h0, states, hr, w_ih, w_hr, steps, scale, has_bias, need_dx
