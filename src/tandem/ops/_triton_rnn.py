@@ -88,11 +88,12 @@ def step_rows(steps: PackedSteps, device: torch.device) -> Tensor:
 class StepGraphs:
     """Per-step launch loops recorded once per problem and replayed: no host gap between the steps.
 
-    ``run(key, loop, reads, updates, writes)`` keeps, per ``key`` (everything the launches depend on:
-    shapes, step sizes, dtypes, block sizes), static copies of the buffers the loop touches and the loop
-    recorded over them. Each call copies ``reads`` and ``updates`` into the static buffers, replays, and
-    returns fresh copies of ``updates`` and ``writes`` (saved for the backward, so the next call must not
-    overwrite them) and the static ``scratch`` buffers (valid until the next call). On a GPU the record is
+    ``run(key, loop, reads, updates, writes, scratch)`` keeps, per ``key`` (everything the launches depend
+    on: shapes, step sizes, dtypes, block sizes), static buffers shaped like the given ones and ``loop``
+    (which takes the dict of static buffers) recorded over them. Each call copies ``reads`` and
+    ``updates`` into the static buffers, replays, and returns fresh copies of ``updates`` and ``writes``
+    (saved for the backward, so the next call must not overwrite them) and the static ``scratch`` buffers
+    themselves (valid until the next call). On a GPU the record is
     a CUDA graph (one warm-up run first, so Triton compiles outside the capture); on the CPU (Triton's
     interpreter, the tests) replaying calls the loop again, which exercises the same buffer handling.
     The ``capacity`` most recently used problems are kept.
@@ -134,12 +135,18 @@ def _record(fn, device: torch.device):
     """``fn``'s launches as a replayable callable: a CUDA graph on GPUs, ``fn`` itself elsewhere."""
     if device.type != "cuda":
         return fn
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # compiles the kernels, outside the capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    with torch.cuda.device(device):  # the capture and Triton's launches follow the current device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()  # compiles the kernels, outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+
+    def replay() -> None:
+        with torch.cuda.device(device):
+            graph.replay()
+
+    return replay
