@@ -21,6 +21,7 @@ __all__ = [
     "persistent_meta",
     "step_rows",
     "StepGraphs",
+    "gate_tile",
 ]
 
 
@@ -35,6 +36,18 @@ def dot(a, b, acc, UPCAST: tl.constexpr, TF32: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def gate_tile(p_w, i_d, gate: tl.constexpr, o_j, H: tl.constexpr, G: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Gate ``gate``'s ``[H, H]`` block of ``W[i_d]`` (``p_w``: ``[D, G*H, H]``, contiguous) as a square
+    tile over the offsets ``o_j``, zero past H: ``[k, j]`` (W^T, the right operand of ``h @ W^T``) if
+    ``TRANSPOSED``, else ``[j, k]``. The persistent kernels load their weights once with it."""
+    m_j = o_j < H
+    p_rows = p_w + (i_d * G + gate) * H * H  # the gate's first row
+    if TRANSPOSED:
+        return tl.load(p_rows + o_j[None, :] * H + o_j[:, None], mask=m_j[:, None] & m_j[None, :], other=0.0)
+    return tl.load(p_rows + o_j[:, None] * H + o_j[None, :], mask=m_j[:, None] & m_j[None, :], other=0.0)
 
 
 def upcast(x: Tensor) -> bool:

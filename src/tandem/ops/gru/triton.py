@@ -57,6 +57,7 @@ from tandem.ops._triton_rnn import (
     StepGraphs,
     compute_dtype,
     dot,
+    gate_tile,
     persistent_meta,
     precision,
     step_rows,
@@ -260,11 +261,9 @@ def _gru_fwd_persistent(
     rj = tl.arange(0, BLOCK_H)
     mj = rj < H
     # W_hh^T of the three gates, [k, j] tiles read once and kept on chip for every step
-    p_w = w_hh + d * 3 * H * H + rj[None, :] * H + rj[:, None]
-    mw = mj[:, None] & mj[None, :]
-    w_r = tl.load(p_w, mask=mw, other=0.0)
-    w_z = tl.load(p_w + H * H, mask=mw, other=0.0)
-    w_n = tl.load(p_w + 2 * H * H, mask=mw, other=0.0)
+    w_r = gate_tile(w_hh, d, 0, rj, H, 3, True)
+    w_z = gate_tile(w_hh, d, 1, rj, H, 3, True)
+    w_n = gate_tile(w_hh, d, 2, rj, H, 3, True)
     if HAS_BIAS:
         bias = tl.load(b_hn + d * H + rj, mask=mj, other=0.0).to(COMPUTE)
     # the state, rounded to the buffers' dtype as the per-step kernel reads it back
@@ -323,11 +322,9 @@ def _gru_bwd_persistent(
     rj = tl.arange(0, BLOCK_H)
     mj = rj < H
     # W_hh of the three gates, [j, k] tiles read once and kept on chip for every step
-    p_w = w_hh + d * 3 * H * H + rj[:, None] * H + rj[None, :]
-    mw = mj[:, None] & mj[None, :]
-    w_r = tl.load(p_w, mask=mw, other=0.0)
-    w_z = tl.load(p_w + H * H, mask=mw, other=0.0)
-    w_n = tl.load(p_w + 2 * H * H, mask=mw, other=0.0)
+    w_r = gate_tile(w_hh, d, 0, rj, H, 3, False)
+    w_z = gate_tile(w_hh, d, 1, rj, H, 3, False)
+    w_n = gate_tile(w_hh, d, 2, rj, H, 3, False)
     p_carry = d * batch * H + rb[:, None] * H + rj[None, :]
     m_carry = (rb < batch)[:, None] & mj[None, :]
     carry = tl.load(dh_n + p_carry, mask=m_carry, other=0.0).to(COMPUTE)

@@ -73,6 +73,7 @@ from tandem.ops._triton_rnn import (
     StepGraphs,
     compute_dtype,
     dot,
+    gate_tile,
     persistent_meta,
     precision,
     step_rows,
@@ -306,12 +307,10 @@ def _lstm_fwd_persistent(
     o_j = tl.arange(0, BLOCK_H)
     m_j = o_j < H
     # W_hh^T of the four gates, [k, j] tiles read once and kept in registers for every step
-    p_wt = p_w + i_d * 4 * H * H + o_j[None, :] * H + o_j[:, None]
-    m_w = m_j[:, None] & m_j[None, :]
-    b_wi = tl.load(p_wt, mask=m_w, other=0.0)
-    b_wf = tl.load(p_wt + H * H, mask=m_w, other=0.0)
-    b_wg = tl.load(p_wt + 2 * H * H, mask=m_w, other=0.0)
-    b_wo = tl.load(p_wt + 3 * H * H, mask=m_w, other=0.0)
+    b_wi = gate_tile(p_w, i_d, 0, o_j, H, 4, True)
+    b_wf = gate_tile(p_w, i_d, 1, o_j, H, 4, True)
+    b_wg = gate_tile(p_w, i_d, 2, o_j, H, 4, True)
+    b_wo = gate_tile(p_w, i_d, 3, o_j, H, 4, True)
     # h and C in the buffers' dtype: rounded as the per-step kernel reads them back from memory
     r_0 = (i_d * B + o_b).to(tl.int64)
     m_0 = (o_b < B)[:, None] & m_j[None, :]
@@ -373,12 +372,10 @@ def _lstm_bwd_persistent(
     o_j = tl.arange(0, BLOCK_H)
     m_j = o_j < H
     # W_hh of the four gates, [j, k] tiles read once and kept in registers for every step
-    p_wj = p_w + i_d * 4 * H * H + o_j[:, None] * H + o_j[None, :]
-    m_w = m_j[:, None] & m_j[None, :]
-    b_wi = tl.load(p_wj, mask=m_w, other=0.0)
-    b_wf = tl.load(p_wj + H * H, mask=m_w, other=0.0)
-    b_wg = tl.load(p_wj + 2 * H * H, mask=m_w, other=0.0)
-    b_wo = tl.load(p_wj + 3 * H * H, mask=m_w, other=0.0)
+    b_wi = gate_tile(p_w, i_d, 0, o_j, H, 4, False)
+    b_wf = gate_tile(p_w, i_d, 1, o_j, H, 4, False)
+    b_wg = gate_tile(p_w, i_d, 2, o_j, H, 4, False)
+    b_wo = gate_tile(p_w, i_d, 3, o_j, H, 4, False)
     # the carries dL/dh and dL/dc, in the compute dtype as the per-step kernel's buffers
     r_carry = (i_d * B + o_b).to(tl.int64)
     m_carry = (o_b < B)[:, None] & m_j[None, :]
