@@ -7,7 +7,6 @@ also computes the single-process references with the same helpers) compares. Eac
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _ranks import join_group
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
 import tandem
@@ -423,17 +423,8 @@ SCENARIOS = {"main": scenario_main, "failure": scenario_failure}
 
 def entry(rank: int, world: int, store: str, result_dir: str, scenario: str, options: dict[str, Any]) -> None:
     """Process entry point: run ``scenario`` as ``rank`` and save what it returns (or its error)."""
-    torch.set_num_threads(1)
-    # Fresh torch.empty memory is NaN (as in conftest.py): a bucket slot left unwritten would show.
-    torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        join_group(rank, world, store)
         result = SCENARIOS[scenario](rank, world, **options)
     except Exception:
         result = {"fatal": traceback.format_exc()}

@@ -3,6 +3,7 @@ whatever happened. Each rank saves its result to ``<tmp>/rank<r>.pt``."""
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def spawn_ranks(
@@ -41,3 +43,18 @@ def spawn_ranks(
             p.join(5)
     paths = [tmp / f"rank{r}.pt" for r in range(world)]
     return [torch.load(path, weights_only=False) if path.exists() else None for path in paths]
+
+
+def join_group(rank: int, world: int, store: str) -> None:
+    """A spawned rank's set-up: one thread, deterministic algorithms (fresh ``torch.empty`` memory is NaN,
+    as in conftest.py: a slot left unwritten would show), and the Gloo group through the file ``store``
+    with a 60 s timeout."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )

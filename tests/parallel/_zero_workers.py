@@ -7,14 +7,13 @@ process computes the single-process ``torch.optim.Adagrad`` references with the 
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from _ranks import join_group
 
 from tandem.parallel import DistributedDataParallel, ZeroAdagrad
 
@@ -220,17 +219,9 @@ CHECKS = {
 
 def entry(rank: int, world: int, store: str, result_dir: str) -> None:
     """Process entry point: run every check as ``rank`` and save what each returns (or its error)."""
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True, warn_only=True)  # fresh torch.empty memory is NaN
     results: dict[str, Any] = {}
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        join_group(rank, world, store)
         for name, check in CHECKS.items():
             try:
                 results[name] = check(rank, world)
