@@ -8,6 +8,7 @@ caller waits on the event until a deadline, so a dead or stuck rank turns into a
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import threading
 import time
@@ -19,6 +20,8 @@ from torch import Tensor
 from torch.futures import Future
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "timeout_seconds",
     "CommunicationError",
     "watch",
     "wait_event",
@@ -26,6 +29,20 @@ __all__ = [
     "broadcast_coalesced",
     "check_same_on_all_ranks",
 ]
+
+
+DEFAULT_TIMEOUT_S = 30.0  # how long a rank waits for its peers before raising CommunicationError
+
+
+def timeout_seconds(timeout: float | datetime.timedelta | None, owner: str) -> float:
+    """``timeout`` (seconds or a timedelta; None for :data:`DEFAULT_TIMEOUT_S`) in seconds; ``owner``
+    names the class in the error a non-positive value raises."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"{owner}: expected a positive timeout, got {timeout!r}")
+    return seconds
 
 
 class CommunicationError(RuntimeError):

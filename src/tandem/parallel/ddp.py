@@ -41,16 +41,17 @@ from torch.futures import Future
 
 from tandem.parallel.buckets import GradBucket, bucket_assignment
 from tandem.parallel.comm import (
+    DEFAULT_TIMEOUT_S,
     CommunicationError,
     broadcast_coalesced,
     check_same_on_all_ranks,
     result,
+    timeout_seconds,
     wait_event,
 )
 
 __all__ = ["DistributedDataParallel", "DDPStats", "DEFAULT_TIMEOUT_S"]
 
-DEFAULT_TIMEOUT_S = 30.0
 _MB = 1024 * 1024
 _DEFAULT_BUCKET_CAP_MB = 25
 # torch's default too: a small first bucket, so the last layers' gradients go out without waiting for
@@ -185,15 +186,6 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _seconds(timeout: float | datetime.timedelta | None) -> float:
-    if timeout is None:
-        return DEFAULT_TIMEOUT_S
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ValueError(f"DistributedDataParallel: expected a positive timeout, got {timeout!r}")
-    return seconds
-
-
 class DistributedDataParallel(torch.nn.Module):
     r"""Data-parallel training: torch's ``DistributedDataParallel`` API, gradients averaged over ranks.
 
@@ -265,7 +257,7 @@ class DistributedDataParallel(torch.nn.Module):
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that "
                 "requires a gradient."
             )
-        self.timeout = _seconds(timeout)
+        self.timeout = timeout_seconds(timeout, "DistributedDataParallel")
         devices = {t.device for t in [*module.parameters(), *module.buffers()]}
         self._set_devices(devices, device_ids, output_device)
 

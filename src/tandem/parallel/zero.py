@@ -46,12 +46,11 @@ from torch.optim import Optimizer
 
 from tandem.ops.adagrad import adagrad_unchecked
 from tandem.optim.adagrad import check_hyperparameters
-from tandem.parallel.comm import check_same_on_all_ranks, result, wait_event, watch
+from tandem.parallel.comm import check_same_on_all_ranks, result, timeout_seconds, wait_event, watch
 
 __all__ = ["ZeroAdagrad", "shard_layout"]
 
 _WHO = "ZeroAdagrad"
-DEFAULT_TIMEOUT_S = 30.0
 # Pieces of at least this size are broadcast in place; smaller consecutive ones of an owner share a
 # buffer of up to _COALESCE_BYTES, so a model of many small tensors is not one collective per tensor.
 _INPLACE_BYTES = 512 * 1024
@@ -122,15 +121,6 @@ class _Transfer:
     device: torch.device
 
 
-def _timeout_seconds(timeout: float | datetime.timedelta | None) -> float:
-    if timeout is None:
-        return DEFAULT_TIMEOUT_S
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ValueError(f"ZeroAdagrad: expected a positive timeout, got {timeout!r}")
-    return seconds
-
-
 class ZeroAdagrad(Optimizer):
     r"""Adagrad whose ``sum`` state is sharded over the ranks: each rank keeps and updates 1/N of it.
 
@@ -188,7 +178,7 @@ class ZeroAdagrad(Optimizer):
             raise ValueError(
                 "ZeroAdagrad: expected differentiable=False (a sharded step is not differentiable)"
             )
-        self.timeout = _timeout_seconds(timeout)
+        self.timeout = timeout_seconds(timeout, _WHO)
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ZeroAdagrad: the default process group has not been initialized; call "
