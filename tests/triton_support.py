@@ -16,6 +16,7 @@ from tandem import _backend
 
 __all__ = [
     "TRITON_DEVICE",
+    "TRITON_VERSION",
     "LaunchCounter",
     "compile_sm90",
     "local_memory_bytes",
@@ -35,6 +36,18 @@ def _triton_device() -> str | None:
 
 
 TRITON_DEVICE = _triton_device()
+
+
+def _triton_version() -> tuple[int, int]:
+    if not _backend.triton_available():
+        return (0, 0)
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
+# (major, minor) of the installed Triton, (0, 0) without one: what a kernel table leaves out may depend on it
+TRITON_VERSION = _triton_version()
 needs_triton = pytest.mark.skipif(
     TRITON_DEVICE is None,
     reason="no GPU: runs in test_triton_kernels_under_interpreter's subprocess (TRITON_INTERPRET=1)",

@@ -13,6 +13,7 @@ from tandem._device import to_device
 from tandem.ops._packed import PackedSteps
 
 __all__ = [
+    "TRITON_VERSION",
     "dot",
     "upcast",
     "tf32",
@@ -24,18 +25,23 @@ __all__ = [
     "gate_tile",
 ]
 
+# (major, minor) of the Triton that builds the kernels: a kernel table may leave out what one version
+# cannot build (torch 2.11's GPU image has Triton 3.6; CI takes the newest).
+TRITON_VERSION: tuple[int, int] = tuple(int(part) for part in triton.__version__.split(".")[:2])
+
 
 @triton.jit
 def dot(a, b, acc, UPCAST: tl.constexpr, TF32: tl.constexpr):
     """``acc + a @ b``. "ieee": float32 operands are not rounded to TF32 (Triton's GPU default) unless
     ``TF32`` (see :func:`tf32`); no effect on the other dtypes. ``UPCAST`` (see :func:`upcast`): float32
-    operands, exact since bfloat16 products are."""
+    operands, exact since bfloat16 products are. The product takes ``acc``'s dtype (Triton 3.6 would
+    otherwise ask a float32 one of float64 operands)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=acc.dtype)
     elif TF32:
-        return tl.dot(a, b, acc, input_precision="tf32")
+        return tl.dot(a, b, acc, input_precision="tf32", out_dtype=acc.dtype)
     else:
-        return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
 
 
 @triton.jit
@@ -77,14 +83,18 @@ def precision(x: Tensor) -> str:
     return "tf32" if tf32(x) else "fp32"
 
 
-def persistent_meta(warps: dict[int, int], time_loop: str, hid: int) -> dict | None:
+def persistent_meta(
+    warps: dict[int, int], time_loop: str, hid: int, max_buildable: int | None = None
+) -> dict | None:
     """Block sizes and launch options of a persistent kernel for hidden size ``hid``, or None where the
     per-step kernels run. ``warps`` maps the padded hidden sizes (BLOCK_H) whose build holds the weights
     without spilling to their num_warps; ``time_loop`` is the module's TIME_LOOP: "auto" (the persistent
-    kernel for the sizes in ``warps``), "persistent" or "per-step" (for every size)."""
-    if time_loop == "per-step":
-        return None
+    kernel for the sizes in ``warps``), "persistent" or "per-step" (for every size). Padded sizes above
+    ``max_buildable`` (None: no limit), which the running Triton cannot build, run per-step whatever
+    ``time_loop`` says."""
     block = max(16, triton.next_power_of_2(hid))
+    if time_loop == "per-step" or (max_buildable is not None and block > max_buildable):
+        return None
     num_warps = warps.get(block)
     if num_warps is None:
         if time_loop != "persistent":

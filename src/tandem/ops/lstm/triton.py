@@ -70,6 +70,7 @@ from torch import Tensor
 
 from tandem.ops._packed import PackedSteps
 from tandem.ops._triton_rnn import (
+    TRITON_VERSION,
     StepGraphs,
     compute_dtype,
     dot,
@@ -122,6 +123,17 @@ _PERSISTENT_WARPS = {
     ("fwd", "fp64"): {16: 4, 32: 4},
     ("bwd", "fp64"): {16: 4},
 }
+# The largest padded size the running Triton can build at all, by kernel and precision (none: no limit):
+# above it the per-step kernels run even when TIME_LOOP asks for the persistent ones.
+_PERSISTENT_MAX_BUILDABLE: dict[tuple[str, str], int] = {}
+if TRITON_VERSION < (3, 7):
+    # Triton 3.6 (torch 2.11's, the GPU image's): its LLVM aborts the process (an assertion in the SLP
+    # vectorizer) building the half backward for sm_90 at 32, 64 and 128, with any num_warps, and the
+    # float64 backward spills at 16 (432 to 1912 bytes of stack with 2 to 16 warps). Triton 3.7 to 3.9
+    # build both.
+    del _PERSISTENT_WARPS["bwd", "half"][32]
+    _PERSISTENT_MAX_BUILDABLE["bwd", "half"] = 16
+    _PERSISTENT_WARPS["bwd", "fp64"] = {}
 
 
 @triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "n"])
@@ -443,10 +455,11 @@ def _blocks(batch: int, hid: int, out_size: int) -> tuple[int, int, int]:
 def _persistent_meta(kind: str, x: Tensor, hid: int, has_proj: bool) -> dict | None:
     """Block sizes and launch options of the persistent ``kind`` ("fwd"/"bwd") kernel for ``x`` and
     hidden size ``hid``, or None where the per-step kernels run: always with a projection, else as
-    TIME_LOOP and _PERSISTENT_WARPS say."""
+    TIME_LOOP, _PERSISTENT_WARPS and _PERSISTENT_MAX_BUILDABLE say."""
     if has_proj:
         return None
-    return persistent_meta(_PERSISTENT_WARPS[kind, precision(x)], TIME_LOOP, hid)
+    key = kind, precision(x)
+    return persistent_meta(_PERSISTENT_WARPS[key], TIME_LOOP, hid, _PERSISTENT_MAX_BUILDABLE.get(key))
 
 
 def lstm_fwd_triton(
