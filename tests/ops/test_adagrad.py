@@ -15,7 +15,7 @@ from tandem import _backend
 from tandem.ops import adagrad
 from tandem.ops.adagrad import reference
 from tandem.ops.adagrad.reference import adagrad_group_ref, adagrad_step_ref, adagrad_tensor_ref
-from triton_support import TRITON_DEVICE, needs_triton, run_under_interpreter
+from triton_support import TRITON_DEVICE, TRITON_VERSION, needs_triton, run_under_interpreter
 
 HYPER = [
     pytest.param(dict(lr=0.1, lr_decay=0.0, weight_decay=0.0, eps=1e-10, maximize=False), id="plain"),
@@ -242,7 +242,9 @@ def test_triton_kernel_float32_close_to_torch_bit_for_bit():
     ps, gs, ss, ts = _tensors([(300,)], device=TRITON_DEVICE)
     _, same = _oracle(ps, gs, ss, ts, hyper)
     adagrad_step_triton(ps, gs, ss, ts, **hyper, block=64, chunk=128)
-    torch.testing.assert_close(ss, same[1], rtol=0, atol=0)  # sum: the same FMAs as torch
+    # sum: the same FMAs as torch, except where Triton's interpreter rounds tl.fma twice (before 3.9)
+    fused = TRITON_DEVICE != "cpu" or TRITON_VERSION >= (3, 9)
+    torch.testing.assert_close(ss, same[1], rtol=0 if fused else 2.4e-7, atol=0)
     torch.testing.assert_close(ps, same[0], rtol=2.4e-7, atol=0)
 
 
