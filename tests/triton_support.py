@@ -61,6 +61,8 @@ def run_under_interpreter(test_file: str, keyword: str = "triton_kernel_", timeo
         pytest.skip("triton is not installed")
     if _backend.FORCE_TRITON:
         pytest.skip("already the interpreter run")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the same tests run compiled on it")
     env = dict(os.environ, TRITON_INTERPRET="1", TANDEM_FORCE_TRITON="1")
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(SRC), env.get("PYTHONPATH")) if x)
     cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-k", keyword, "-p", "no:cacheprovider"]
