@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.tandem-installed
 TORCH_VERSION ?= 2.13.0
 ARGS ?=
 
-.PHONY: setup test lint train bench data clean
+.PHONY: setup test test-image-triton lint train bench data clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,19 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
+# The kernels' tests (tests/ops) once more with the Triton of the GPU image (torch 2.11 pins 3.6), in a
+# venv of their own: what builds with the newest Triton must build there too. Triton 3.6's interpreter
+# needs numpy < 2.3.
+IMAGE_TRITON ?= 3.6.0
+IMAGE_VENV   := .venv-triton-$(IMAGE_TRITON)
+
+test-image-triton:
+	test -x $(IMAGE_VENV)/bin/python || $(PYTHON) -m venv $(IMAGE_VENV)
+	$(IMAGE_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)" "triton==$(IMAGE_TRITON)" \
+		"numpy>=1.24,<2.3" "tqdm>=4.60" "pytest>=8" "pytest-timeout>=2.2"
+	$(IMAGE_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/ops $(ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts
@@ -33,4 +46,4 @@ bench: $(STAMP)
 	$(VENV)/bin/tandem bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-triton-* build dist src/*.egg-info .pytest_cache .ruff_cache
