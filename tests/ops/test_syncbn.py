@@ -12,12 +12,14 @@ interpreter, which ``tandem._backend`` only honours when the environment says so
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tandem import _backend
 from tandem.ops.syncbn import _SyncBatchNorm, sync_batch_norm
 from tandem.ops.syncbn.reference import (
     merge_stats_ref,
@@ -28,7 +30,13 @@ from tandem.ops.syncbn.reference import (
     syncbn_stats_ref,
     syncbn_unpack_ref,
 )
-from triton_support import TRITON_DEVICE, needs_triton, run_under_interpreter
+from triton_support import (
+    TRITON_DEVICE,
+    compile_sm90,
+    local_memory_bytes,
+    needs_triton,
+    run_under_interpreter,
+)
 
 OPS = torch.ops.tandem
 
@@ -347,3 +355,39 @@ def test_triton_kernel_module_step_matches_reference_path():
     assert not x.grad.permute(0, 2, 1)[~mask].any()
     torch.testing.assert_close(bn.running_var, ref.running_var)
     torch.testing.assert_close(bn.weight.grad, ref.weight.grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# the GPU build
+
+
+@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("kernel", ["stats", "fwd", "bwd_reduce", "bwd"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "fp64"])
+def test_sm90_build_of_every_kernel(kernel, dtype, tmp_path):
+    """Each kernel builds for sm_90 in each dtype, with and without a frame mask and in both tile shapes
+    the launcher picks (channels innermost, frames innermost), and keeps its tiles in registers: what a
+    GPU compiles at its first call, checked ahead of time with every Triton CI runs."""
+    tl = pytest.importorskip("triton.language")
+    from tandem.ops.syncbn import triton as syncbn_triton
+
+    fn = getattr(syncbn_triton, f"_syncbn_{kernel}_kernel")
+    acc = "fp64" if dtype == "fp64" else "fp32"
+    data = {"p_x", "p_y", "p_dy", "p_dx"}  # the tensors in the input's dtype; the rest is per channel
+    # (BLOCK_C, BLOCK_S, num_warps) as the launcher picks them, channels innermost and frames innermost
+    for has_mask, (block_c, block_s, warps) in itertools.product([True, False], [(64, 32, 8), (8, 128, 4)]):
+        constexprs = dict(ACC=getattr(tl, f"float{acc[2:]}"), HAS_MASK=has_mask, BLOCK_S=block_s)
+        constexprs["BLOCK_C"] = block_c
+        signature = {}
+        for arg in fn.arg_names:
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+            elif not arg.startswith("p_"):
+                signature[arg] = "i32"
+            elif arg == "p_mask":
+                signature[arg] = "*u8" if has_mask else f"*{dtype}"  # no mask: a dummy, the input
+            else:
+                signature[arg] = f"*{dtype}" if arg in data else f"*{acc}"
+        built = compile_sm90(fn, signature, constexprs, num_warps=warps)
+        stack = local_memory_bytes(built.asm["cubin"], tmp_path)
+        assert stack == 0, f"mask {has_mask}, BLOCK_C {block_c}, {warps} warps: {stack} bytes of stack"
