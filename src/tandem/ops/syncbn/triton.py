@@ -35,6 +35,17 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 @triton.jit
+def _program(C, n_tiles, tiles_per_prog, BLOCK_C: tl.constexpr):
+    """What every kernel's program ``(i_c, i_p)`` covers: its ``BLOCK_C`` channels (offsets, in-bounds
+    mask) and its contiguous range of tiles ``[t_start, t_end)``, as ``(i_c, i_p, o_c, m_c, t_start,
+    t_end)``."""
+    i_c, i_p = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_start = i_p * tiles_per_prog
+    return i_c, i_p, o_c, o_c < C, t_start, tl.minimum(t_start + tiles_per_prog, n_tiles)
+
+
+@triton.jit
 def _tile(
     t, p_mask, o_c, m_c, C, S, n_sblocks, s_n, s_c, s_s,
     HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -57,16 +68,12 @@ def _syncbn_stats_kernel(
     C, S, n_sblocks, n_tiles, tiles_per_prog, s_n, s_c, s_s,
     ACC: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    i_c, i_p = tl.program_id(0), tl.program_id(1)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_c = o_c < C
+    i_c, i_p, o_c, m_c, t_start, t_end = _program(C, n_tiles, tiles_per_prog, BLOCK_C)
     # statistics of x - pivot: small numbers whose mean float32 holds to its own precision
     b_pivot = tl.load(p_pivot + o_c, mask=m_c, other=0.0).to(ACC)
     b_n = tl.zeros([BLOCK_C], dtype=ACC)  # frames merged so far (equal in every channel)
     b_mean = tl.zeros([BLOCK_C], dtype=ACC)
     b_m2 = tl.zeros([BLOCK_C], dtype=ACC)
-    t_start = i_p * tiles_per_prog
-    t_end = tl.minimum(t_start + tiles_per_prog, n_tiles)
     for t in range(t_start, t_end):
         o, m_in, m_f = _tile(t, p_mask, o_c, m_c, C, S, n_sblocks, s_n, s_c, s_s, HAS_MASK, BLOCK_S)
         m = m_f[:, None] & m_c[None, :]
@@ -94,14 +101,10 @@ def _syncbn_fwd_kernel(
     C, S, n_sblocks, n_tiles, tiles_per_prog, s_n, s_c, s_s,
     ACC: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    i_c, i_p = tl.program_id(0), tl.program_id(1)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_c = o_c < C
+    _, i_p, o_c, m_c, t_start, t_end = _program(C, n_tiles, tiles_per_prog, BLOCK_C)
     b_hi = tl.load(p_hi + o_c, mask=m_c, other=0.0)
     b_scale = tl.load(p_scale + o_c, mask=m_c, other=0.0)
     b_shift = tl.load(p_shift + o_c, mask=m_c, other=0.0)
-    t_start = i_p * tiles_per_prog
-    t_end = tl.minimum(t_start + tiles_per_prog, n_tiles)
     for t in range(t_start, t_end):
         o, m_in, m_f = _tile(t, p_mask, o_c, m_c, C, S, n_sblocks, s_n, s_c, s_s, HAS_MASK, BLOCK_S)
         b_x = tl.load(p_x + o, mask=m_in, other=0.0).to(ACC)
@@ -118,14 +121,10 @@ def _syncbn_bwd_reduce_kernel(
     C, S, n_sblocks, n_tiles, tiles_per_prog, s_n, s_c, s_s,
     ACC: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    i_c, i_p = tl.program_id(0), tl.program_id(1)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_c = o_c < C
+    _, i_p, o_c, m_c, t_start, t_end = _program(C, n_tiles, tiles_per_prog, BLOCK_C)
     b_hi = tl.load(p_hi + o_c, mask=m_c, other=0.0)
     b_sdy = tl.zeros([BLOCK_C], dtype=ACC)
     b_sdyx = tl.zeros([BLOCK_C], dtype=ACC)
-    t_start = i_p * tiles_per_prog
-    t_end = tl.minimum(t_start + tiles_per_prog, n_tiles)
     for t in range(t_start, t_end):
         o, m_in, m_f = _tile(t, p_mask, o_c, m_c, C, S, n_sblocks, s_n, s_c, s_s, HAS_MASK, BLOCK_S)
         m = m_f[:, None] & m_c[None, :]
@@ -143,15 +142,11 @@ def _syncbn_bwd_kernel(
     C, S, n_sblocks, n_tiles, tiles_per_prog, s_n, s_c, s_s,
     ACC: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    i_c, i_p = tl.program_id(0), tl.program_id(1)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_c = o_c < C
+    _, i_p, o_c, m_c, t_start, t_end = _program(C, n_tiles, tiles_per_prog, BLOCK_C)
     b_hi = tl.load(p_hi + o_c, mask=m_c, other=0.0)
     b_scale = tl.load(p_scale + o_c, mask=m_c, other=0.0)
     b_k = tl.load(p_k + o_c, mask=m_c, other=0.0)
     b_c = tl.load(p_c + o_c, mask=m_c, other=0.0)
-    t_start = i_p * tiles_per_prog
-    t_end = tl.minimum(t_start + tiles_per_prog, n_tiles)
     for t in range(t_start, t_end):
         o, m_in, m_f = _tile(t, p_mask, o_c, m_c, C, S, n_sblocks, s_n, s_c, s_s, HAS_MASK, BLOCK_S)
         b_dy = tl.load(p_dy + o, mask=m_in, other=0.0).to(ACC)
