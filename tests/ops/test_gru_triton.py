@@ -259,7 +259,7 @@ def _compile_gru_sm90(kernel: str, dtype: torch.dtype, tf32: bool):
     if kernel == "fwd":
         constexprs["HAS_BIAS"] = True
     carry = "fp64" if dtype == torch.float64 else "fp32"
-    pointers = {"carry_in": carry, "carry_out": carry}
+    pointers = {"p_dhin": carry, "p_dhout": carry}
     signature = {}
     for arg in fn.arg_names:
         if arg in constexprs:
@@ -413,10 +413,10 @@ def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kin
                 signature[arg] = "constexpr"
             elif arg in ("n_steps", "batch", "total"):
                 signature[arg] = "i32"
-            elif arg == "dh0":  # written in the compute dtype
+            elif arg == "p_dh0":  # written in the compute dtype
                 signature[arg] = f"*{compute}"
             else:
-                signature[arg] = "*i32" if arg == "step_rows" else f"*{dtype}"
+                signature[arg] = "*i32" if arg == "p_rows" else f"*{dtype}"
         built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
         stack = local_memory_bytes(built.asm["cubin"], tmp_path)
         assert stack == 0, f"{dtype} BLOCK_H {block}, {warps} warps: {stack} bytes of stack"

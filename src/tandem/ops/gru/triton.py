@@ -107,14 +107,14 @@ _PERSISTENT_WARPS = {
 
 @triton.jit
 def _gru_fwd_step(
-    gates,  # [D, P, 3H]: in: the input projection (n part doubled); out: r, z, n
-    hn_out,  # [D, P, H]: W_hn h_prev + b_hn
-    states,  # [D, P, H]: out: the new state, row `row0 + b`
-    h_prev,  # base of the previous states: h0 [D, B, H] or `states`
-    stride_prev_d,  # direction stride of h_prev
-    prev_row0,  # row of sequence 0's previous state in h_prev
-    w_hh,  # [D, 3H, H], contiguous
-    b_hn,  # [D, H] (b_hh's n part) or a dummy when not HAS_BIAS
+    p_gates,  # [D, P, 3H]: in: the input projection (n part doubled); out: r, z, n
+    p_hn,  # [D, P, H]: out: W_hn h_prev + b_hn
+    p_states,  # [D, P, H]: out: the new state, row `row0 + b`
+    p_hprev,  # base of the previous states: h0 [D, B, H] or `p_states`
+    stride_prev_d,  # direction stride of p_hprev
+    prev_row0,  # row of sequence 0's previous state in p_hprev
+    p_w,  # [D, 3H, H]: W_hh, contiguous
+    p_bias,  # [D, H]: b_hn (b_hh's n part), or a dummy when not HAS_BIAS
     row0,  # first step-packed row of this step
     n_rows,  # active sequences at this step
     total,  # P
@@ -127,56 +127,58 @@ def _gru_fwd_step(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
-    rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rj = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mb = rb < n_rows
-    mj = rj < H
-    acc_r = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
-    acc_z = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
-    acc_n = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
-    p_prev = h_prev + d * stride_prev_d + (prev_row0 + rb).to(tl.int64)[:, None] * H
-    p_w = w_hh + d * 3 * H * H + rj[None, :] * H  # W_hh^T tile: [K, j]
+    i_d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
+    o_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_j = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_b = o_b < n_rows
+    m_j = o_j < H
+    b_acc_r = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
+    b_acc_z = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
+    b_acc_n = tl.zeros((BLOCK_B, BLOCK_H), COMPUTE)
+    p_prev = p_hprev + i_d * stride_prev_d + (prev_row0 + o_b).to(tl.int64)[:, None] * H
+    p_wt = p_w + i_d * 3 * H * H + o_j[None, :] * H  # W_hh^T tile: [K, j]
     for k0 in range(0, H, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        mk = rk < H
-        h = tl.load(p_prev + rk[None, :], mask=mb[:, None] & mk[None, :], other=0.0)
-        mw = mk[:, None] & mj[None, :]
-        acc_r = dot(h, tl.load(p_w + rk[:, None], mask=mw, other=0.0), acc_r, UPCAST, TF32)
-        acc_z = dot(h, tl.load(p_w + H * H + rk[:, None], mask=mw, other=0.0), acc_z, UPCAST, TF32)
-        acc_n = dot(h, tl.load(p_w + 2 * H * H + rk[:, None], mask=mw, other=0.0), acc_n, UPCAST, TF32)
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < H
+        b_h = tl.load(p_prev + o_k[None, :], mask=m_b[:, None] & m_k[None, :], other=0.0)
+        m_w = m_k[:, None] & m_j[None, :]
+        b_acc_r = dot(b_h, tl.load(p_wt + o_k[:, None], mask=m_w, other=0.0), b_acc_r, UPCAST, TF32)
+        b_acc_z = dot(b_h, tl.load(p_wt + H * H + o_k[:, None], mask=m_w, other=0.0), b_acc_z, UPCAST, TF32)
+        b_acc_n = dot(
+            b_h, tl.load(p_wt + 2 * H * H + o_k[:, None], mask=m_w, other=0.0), b_acc_n, UPCAST, TF32
+        )
 
-    m = mb[:, None] & mj[None, :]
-    p_g = gates + d * total * 3 * H + (row0 + rb).to(tl.int64)[:, None] * (3 * H) + rj[None, :]
-    r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + acc_r)
-    z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + acc_z)
-    hn = acc_n
+    m = m_b[:, None] & m_j[None, :]
+    p_g = p_gates + i_d * total * 3 * H + (row0 + o_b).to(tl.int64)[:, None] * (3 * H) + o_j[None, :]
+    b_r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + b_acc_r)
+    b_z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + b_acc_z)
+    b_hn = b_acc_n
     if HAS_BIAS:
-        hn += tl.load(b_hn + d * H + rj, mask=mj, other=0.0).to(COMPUTE)[None, :]
+        b_hn += tl.load(p_bias + i_d * H + o_j, mask=m_j, other=0.0).to(COMPUTE)[None, :]
     # n = tanh(a_in + r * hn) = 2 sigmoid(2 a_in + 2 r hn) - 1, the projection holding 2 a_in
-    n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * r * hn) - 1.0
-    h_old = tl.load(p_prev + rj[None, :], mask=m, other=0.0).to(COMPUTE)
-    h = n + z * (h_old - n)  # (1 - z) n + z h_prev
-    out_dtype = gates.dtype.element_ty
-    tl.store(p_g, r.to(out_dtype), mask=m)
-    tl.store(p_g + H, z.to(out_dtype), mask=m)
-    tl.store(p_g + 2 * H, n.to(out_dtype), mask=m)
-    p_row = d * total * H + (row0 + rb).to(tl.int64)[:, None] * H + rj[None, :]
-    tl.store(hn_out + p_row, hn.to(out_dtype), mask=m)
-    tl.store(states + p_row, h.to(out_dtype), mask=m)
+    b_n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * b_r * b_hn) - 1.0
+    b_hprev = tl.load(p_prev + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_h = b_n + b_z * (b_hprev - b_n)  # (1 - z) n + z h_prev
+    out_dtype = p_gates.dtype.element_ty
+    tl.store(p_g, b_r.to(out_dtype), mask=m)
+    tl.store(p_g + H, b_z.to(out_dtype), mask=m)
+    tl.store(p_g + 2 * H, b_n.to(out_dtype), mask=m)
+    o_row = i_d * total * H + (row0 + o_b).to(tl.int64)[:, None] * H + o_j[None, :]
+    tl.store(p_hn + o_row, b_hn.to(out_dtype), mask=m)
+    tl.store(p_states + o_row, b_h.to(out_dtype), mask=m)
 
 
 @triton.jit
 def _gru_bwd_step(
-    carry_in,  # [D, B, H] fp32: dL/dh of this step's states, except the output's part
-    carry_out,  # [D, B, H] fp32: out: dL/dh_prev
-    grad_out,  # [D, P, H]: the output's gradient, step-packed
-    gates,  # [D, P, 3H]: r, z, n
-    hn,  # [D, P, H]: W_hn h_prev + b_hn
-    states,  # [D, P, H]: this step's states
-    w_hh,  # [D, 3H, H], contiguous
-    dgates,  # [D, P, 3H]: out: dr, dz, dn * r (pre-activation, hidden side)
-    dn_in,  # [D, P, H]: out: dn (pre-activation, input side)
+    p_dhin,  # [D, B, H] fp32: dL/dh of this step's states, except the output's part
+    p_dhout,  # [D, B, H] fp32: out: dL/dh_prev
+    p_dy,  # [D, P, H]: the output's gradient, step-packed
+    p_gates,  # [D, P, 3H]: r, z, n
+    p_hn,  # [D, P, H]: W_hn h_prev + b_hn
+    p_states,  # [D, P, H]: this step's states
+    p_w,  # [D, 3H, H]: W_hh, contiguous
+    p_dgates,  # [D, P, 3H]: out: dr, dz, dn * r (pre-activation, hidden side)
+    p_dn_in,  # [D, P, H]: out: dn (pre-activation, input side)
     row0,
     n_rows,
     batch,  # B: the carry buffers' rows
@@ -189,61 +191,63 @@ def _gru_bwd_step(
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
-    pid_k = tl.program_id(2)
-    rb = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mb = rb < n_rows
-    mk = rk < H
-    dt = gates.dtype.element_ty
-    p_carry = d * batch * H + rb[:, None] * H  # + column
-    p_row = d * total * H + (row0 + rb).to(tl.int64)[:, None] * H  # + column, [D, P, H] buffers
-    p_row3 = d * total * 3 * H + (row0 + rb).to(tl.int64)[:, None] * (3 * H)  # + column, [D, P, 3H] buffers
-    p_w = w_hh + d * 3 * H * H + rk[None, :]  # + j * H: a [j, k] tile of W_hh
-    acc = tl.zeros((BLOCK_B, BLOCK_K), COMPUTE)
+    i_d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
+    i_k = tl.program_id(2)
+    o_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_b = o_b < n_rows
+    m_k = o_k < H
+    dt = p_gates.dtype.element_ty
+    o_carry = i_d * batch * H + o_b[:, None] * H  # + column
+    o_row = i_d * total * H + (row0 + o_b).to(tl.int64)[:, None] * H  # + column, [D, P, H] buffers
+    o_row3 = i_d * total * 3 * H + (row0 + o_b).to(tl.int64)[:, None] * (3 * H)  # + column, [D, P, 3H] ones
+    p_w_k = p_w + i_d * 3 * H * H + o_k[None, :]  # + j * H: a [j, k] tile of W_hh
+    b_acc = tl.zeros((BLOCK_B, BLOCK_K), COMPUTE)
     for j0 in range(0, H, BLOCK_J):
-        rj = j0 + tl.arange(0, BLOCK_J)
-        mj = rj < H
-        m = mb[:, None] & mj[None, :]
-        dh = tl.load(carry_in + p_carry + rj[None, :], mask=m, other=0.0).to(COMPUTE)
-        dh += tl.load(grad_out + p_row + rj[None, :], mask=m, other=0.0).to(COMPUTE)
-        r = tl.load(gates + p_row3 + rj[None, :], mask=m, other=0.0).to(COMPUTE)
-        z = tl.load(gates + p_row3 + H + rj[None, :], mask=m, other=0.0).to(COMPUTE)
-        n = tl.load(gates + p_row3 + 2 * H + rj[None, :], mask=m, other=0.0).to(COMPUTE)
-        h = tl.load(states + p_row + rj[None, :], mask=m, other=0.0).to(COMPUTE)
-        a = dh * (1.0 - z)
-        dz = a * (h - n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
-        dn = a * (1.0 - n * n)
-        dn_h = dn * r
-        dr = dn_h * tl.load(hn + p_row + rj[None, :], mask=m, other=0.0).to(COMPUTE) * (1.0 - r)
+        o_j = j0 + tl.arange(0, BLOCK_J)
+        m_j = o_j < H
+        m = m_b[:, None] & m_j[None, :]
+        b_dh = tl.load(p_dhin + o_carry + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_dh += tl.load(p_dy + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_r = tl.load(p_gates + o_row3 + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_z = tl.load(p_gates + o_row3 + H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_n = tl.load(p_gates + o_row3 + 2 * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_h = tl.load(p_states + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_a = b_dh * (1.0 - b_z)
+        b_dz = b_a * (b_h - b_n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
+        b_dn = b_a * (1.0 - b_n * b_n)
+        b_dn_h = b_dn * b_r
+        b_dr = b_dn_h * tl.load(p_hn + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE) * (1.0 - b_r)
         # the matmul reads the gate gradients rounded as the saved ones, like the reference
-        dr, dz, dn_h = dr.to(dt), dz.to(dt), dn_h.to(dt)
-        if pid_k == 0:
-            tl.store(dgates + p_row3 + rj[None, :], dr, mask=m)
-            tl.store(dgates + p_row3 + H + rj[None, :], dz, mask=m)
-            tl.store(dgates + p_row3 + 2 * H + rj[None, :], dn_h, mask=m)
-            tl.store(dn_in + p_row + rj[None, :], dn.to(dt), mask=m)
-        mw = mj[:, None] & mk[None, :]
-        acc = dot(dr, tl.load(p_w + rj[:, None] * H, mask=mw, other=0.0), acc, UPCAST, TF32)
-        acc = dot(dz, tl.load(p_w + (H + rj)[:, None] * H, mask=mw, other=0.0), acc, UPCAST, TF32)
-        acc = dot(dn_h, tl.load(p_w + (2 * H + rj)[:, None] * H, mask=mw, other=0.0), acc, UPCAST, TF32)
+        b_dr, b_dz, b_dn_h = b_dr.to(dt), b_dz.to(dt), b_dn_h.to(dt)
+        if i_k == 0:
+            tl.store(p_dgates + o_row3 + o_j[None, :], b_dr, mask=m)
+            tl.store(p_dgates + o_row3 + H + o_j[None, :], b_dz, mask=m)
+            tl.store(p_dgates + o_row3 + 2 * H + o_j[None, :], b_dn_h, mask=m)
+            tl.store(p_dn_in + o_row + o_j[None, :], b_dn.to(dt), mask=m)
+        m_w = m_j[:, None] & m_k[None, :]
+        b_acc = dot(b_dr, tl.load(p_w_k + o_j[:, None] * H, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = dot(b_dz, tl.load(p_w_k + (H + o_j)[:, None] * H, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
+        b_acc = dot(
+            b_dn_h, tl.load(p_w_k + (2 * H + o_j)[:, None] * H, mask=m_w, other=0.0), b_acc, UPCAST, TF32
+        )
 
-    m = mb[:, None] & mk[None, :]
-    dh = tl.load(carry_in + p_carry + rk[None, :], mask=m, other=0.0).to(COMPUTE)
-    dh += tl.load(grad_out + p_row + rk[None, :], mask=m, other=0.0).to(COMPUTE)
-    z = tl.load(gates + p_row3 + H + rk[None, :], mask=m, other=0.0).to(COMPUTE)
-    tl.store(carry_out + p_carry + rk[None, :], (acc + dh * z).to(carry_out.dtype.element_ty), mask=m)
+    m = m_b[:, None] & m_k[None, :]
+    b_dh = tl.load(p_dhin + o_carry + o_k[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_dh += tl.load(p_dy + o_row + o_k[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_z = tl.load(p_gates + o_row3 + H + o_k[None, :], mask=m, other=0.0).to(COMPUTE)
+    tl.store(p_dhout + o_carry + o_k[None, :], (b_acc + b_dh * b_z).to(p_dhout.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _gru_fwd_persistent(
-    gates,  # [D, P, 3H]: in: the input projection (n part doubled); out: r, z, n
-    hn_out,  # [D, P, H]: out: W_hn h_prev + b_hn
-    states,  # [D, P, H]: out: the states
-    h0,  # [D, B, H]
-    w_hh,  # [D, 3H, H], contiguous
-    b_hn,  # [D, H] (b_hh's n part) or a dummy when not HAS_BIAS
-    step_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
+    p_gates,  # [D, P, 3H]: in: the input projection (n part doubled); out: r, z, n
+    p_hn,  # [D, P, H]: out: W_hn h_prev + b_hn
+    p_states,  # [D, P, H]: out: the states
+    p_h0,  # [D, B, H]
+    p_w,  # [D, 3H, H]: W_hh, contiguous
+    p_bias,  # [D, H]: b_hn (b_hh's n part), or a dummy when not HAS_BIAS
+    p_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
     n_steps,  # T
     batch,  # B
     total,  # P
@@ -255,57 +259,59 @@ def _gru_fwd_persistent(
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= H: a program owns every column of its rows
 ):
-    d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
-    b0 = tl.program_id(1) * BLOCK_B
-    rb = b0 + tl.arange(0, BLOCK_B)
-    rj = tl.arange(0, BLOCK_H)
-    mj = rj < H
+    i_d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
+    b0 = tl.program_id(1) * BLOCK_B  # the block's first row
+    o_b = b0 + tl.arange(0, BLOCK_B)
+    o_j = tl.arange(0, BLOCK_H)
+    m_j = o_j < H
     # W_hh^T of the three gates, [k, j] tiles read once and kept on chip for every step
-    w_r = gate_tile(w_hh, d, 0, rj, H, 3, True)
-    w_z = gate_tile(w_hh, d, 1, rj, H, 3, True)
-    w_n = gate_tile(w_hh, d, 2, rj, H, 3, True)
+    b_wr = gate_tile(p_w, i_d, 0, o_j, H, 3, True)
+    b_wz = gate_tile(p_w, i_d, 1, o_j, H, 3, True)
+    b_wn = gate_tile(p_w, i_d, 2, o_j, H, 3, True)
     if HAS_BIAS:
-        bias = tl.load(b_hn + d * H + rj, mask=mj, other=0.0).to(COMPUTE)
+        b_bias = tl.load(p_bias + i_d * H + o_j, mask=m_j, other=0.0).to(COMPUTE)
     # the state, rounded to the buffers' dtype as the per-step kernel reads it back
-    m0 = (rb < batch)[:, None] & mj[None, :]
-    h = tl.load(h0 + d * batch * H + rb[:, None] * H + rj[None, :], mask=m0, other=0.0)
-    out_dtype = gates.dtype.element_ty
+    m_0 = (o_b < batch)[:, None] & m_j[None, :]
+    b_h = tl.load(p_h0 + i_d * batch * H + o_b[:, None] * H + o_j[None, :], mask=m_0, other=0.0)
+    out_dtype = p_gates.dtype.element_ty
     for s in range(0, n_steps):
-        n_rows = tl.load(step_rows + s)
+        n_rows = tl.load(p_rows + s)
         if b0 < n_rows:  # sequences are sorted by length: a block's rows end together or stay ended
-            row0 = tl.load(step_rows + n_steps + s)
-            m = (rb < n_rows)[:, None] & mj[None, :]
-            acc_r = dot(h, w_r, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
-            acc_z = dot(h, w_z, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
-            hn = dot(h, w_n, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
+            row0 = tl.load(p_rows + n_steps + s)
+            m = (o_b < n_rows)[:, None] & m_j[None, :]
+            b_acc_r = dot(b_h, b_wr, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
+            b_acc_z = dot(b_h, b_wz, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
+            b_hn = dot(b_h, b_wn, tl.zeros((BLOCK_B, BLOCK_H), COMPUTE), UPCAST, TF32)
             if HAS_BIAS:
-                hn += bias[None, :]
-            p_g = gates + d * total * 3 * H + (row0 + rb).to(tl.int64)[:, None] * (3 * H) + rj[None, :]
-            r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + acc_r)
-            z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + acc_z)
-            n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * r * hn) - 1.0
-            h_new = n + z * (h.to(COMPUTE) - n)
-            tl.store(p_g, r.to(out_dtype), mask=m)
-            tl.store(p_g + H, z.to(out_dtype), mask=m)
-            tl.store(p_g + 2 * H, n.to(out_dtype), mask=m)
-            p_row = d * total * H + (row0 + rb).to(tl.int64)[:, None] * H + rj[None, :]
-            tl.store(hn_out + p_row, hn.to(out_dtype), mask=m)
-            h = h_new.to(out_dtype)
-            tl.store(states + p_row, h, mask=m)
+                b_hn += b_bias[None, :]
+            p_g = p_gates + i_d * total * 3 * H + (row0 + o_b).to(tl.int64)[:, None] * (3 * H) + o_j[None, :]
+            b_r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + b_acc_r)
+            b_z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + b_acc_z)
+            b_n = (
+                2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * b_r * b_hn) - 1.0
+            )
+            b_hnew = b_n + b_z * (b_h.to(COMPUTE) - b_n)
+            tl.store(p_g, b_r.to(out_dtype), mask=m)
+            tl.store(p_g + H, b_z.to(out_dtype), mask=m)
+            tl.store(p_g + 2 * H, b_n.to(out_dtype), mask=m)
+            o_row = i_d * total * H + (row0 + o_b).to(tl.int64)[:, None] * H + o_j[None, :]
+            tl.store(p_hn + o_row, b_hn.to(out_dtype), mask=m)
+            b_h = b_hnew.to(out_dtype)
+            tl.store(p_states + o_row, b_h, mask=m)
 
 
 @triton.jit
 def _gru_bwd_persistent(
-    dh_n,  # [D, B, H]: dL/dh_n, each sequence's carried gradient from its last step on
-    dh0,  # [D, B, H] in the compute dtype: out: dL/dh0
-    grad_out,  # [D, P, H]: the output's gradient, step-packed
-    gates,  # [D, P, 3H]: r, z, n
-    hn,  # [D, P, H]: W_hn h_prev + b_hn
-    states,  # [D, P, H]: the states
-    w_hh,  # [D, 3H, H], contiguous
-    dgates,  # [D, P, 3H]: out: dr, dz, dn * r (pre-activation, hidden side)
-    dn_in,  # [D, P, H]: out: dn (pre-activation, input side)
-    step_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
+    p_dhn,  # [D, B, H]: dL/dh_n, each sequence's carried gradient from its last step on
+    p_dh0,  # [D, B, H] in the compute dtype: out: dL/dh0
+    p_dy,  # [D, P, H]: the output's gradient, step-packed
+    p_gates,  # [D, P, 3H]: r, z, n
+    p_hn,  # [D, P, H]: W_hn h_prev + b_hn
+    p_states,  # [D, P, H]: the states
+    p_w,  # [D, 3H, H]: W_hh, contiguous
+    p_dgates,  # [D, P, 3H]: out: dr, dz, dn * r (pre-activation, hidden side)
+    p_dn_in,  # [D, P, H]: out: dn (pre-activation, input side)
+    p_rows,  # [2, T] int32: active sequences of each step, then each step's first step-packed row
     n_steps,  # T
     batch,  # B
     total,  # P
@@ -316,49 +322,49 @@ def _gru_bwd_persistent(
     BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= H: a program owns every column of its rows
 ):
-    d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
-    b0 = tl.program_id(1) * BLOCK_B
-    rb = b0 + tl.arange(0, BLOCK_B)
-    rj = tl.arange(0, BLOCK_H)
-    mj = rj < H
+    i_d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * 3H can pass 2**31
+    b0 = tl.program_id(1) * BLOCK_B  # the block's first row
+    o_b = b0 + tl.arange(0, BLOCK_B)
+    o_j = tl.arange(0, BLOCK_H)
+    m_j = o_j < H
     # W_hh of the three gates, [j, k] tiles read once and kept on chip for every step
-    w_r = gate_tile(w_hh, d, 0, rj, H, 3, False)
-    w_z = gate_tile(w_hh, d, 1, rj, H, 3, False)
-    w_n = gate_tile(w_hh, d, 2, rj, H, 3, False)
-    p_carry = d * batch * H + rb[:, None] * H + rj[None, :]
-    m_carry = (rb < batch)[:, None] & mj[None, :]
-    carry = tl.load(dh_n + p_carry, mask=m_carry, other=0.0).to(COMPUTE)
-    dt = gates.dtype.element_ty
+    b_wr = gate_tile(p_w, i_d, 0, o_j, H, 3, False)
+    b_wz = gate_tile(p_w, i_d, 1, o_j, H, 3, False)
+    b_wn = gate_tile(p_w, i_d, 2, o_j, H, 3, False)
+    o_carry = i_d * batch * H + o_b[:, None] * H + o_j[None, :]
+    m_carry = (o_b < batch)[:, None] & m_j[None, :]
+    b_carry = tl.load(p_dhn + o_carry, mask=m_carry, other=0.0).to(COMPUTE)
+    dt = p_gates.dtype.element_ty
     for i in range(0, n_steps):
         s = n_steps - 1 - i
-        n_rows = tl.load(step_rows + s)
+        n_rows = tl.load(p_rows + s)
         if b0 < n_rows:
-            row0 = tl.load(step_rows + n_steps + s)
-            mb = rb < n_rows
-            m = mb[:, None] & mj[None, :]
-            p_row = d * total * H + (row0 + rb).to(tl.int64)[:, None] * H + rj[None, :]
-            p_row3 = d * total * 3 * H + (row0 + rb).to(tl.int64)[:, None] * (3 * H) + rj[None, :]
-            dh = carry + tl.load(grad_out + p_row, mask=m, other=0.0).to(COMPUTE)
-            r = tl.load(gates + p_row3, mask=m, other=0.0).to(COMPUTE)
-            z = tl.load(gates + p_row3 + H, mask=m, other=0.0).to(COMPUTE)
-            n = tl.load(gates + p_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
-            h = tl.load(states + p_row, mask=m, other=0.0).to(COMPUTE)
-            a = dh * (1.0 - z)
-            dz = a * (h - n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
-            dn = a * (1.0 - n * n)
-            dn_h = dn * r
-            dr = dn_h * tl.load(hn + p_row, mask=m, other=0.0).to(COMPUTE) * (1.0 - r)
-            dr, dz, dn_h = dr.to(dt), dz.to(dt), dn_h.to(dt)
-            tl.store(dgates + p_row3, dr, mask=m)
-            tl.store(dgates + p_row3 + H, dz, mask=m)
-            tl.store(dgates + p_row3 + 2 * H, dn_h, mask=m)
-            tl.store(dn_in + p_row, dn.to(dt), mask=m)
-            acc = dot(dr, w_r, dh * z, UPCAST, TF32)
-            acc = dot(dz, w_z, acc, UPCAST, TF32)
-            acc = dot(dn_h, w_n, acc, UPCAST, TF32)
+            row0 = tl.load(p_rows + n_steps + s)
+            m_b = o_b < n_rows
+            m = m_b[:, None] & m_j[None, :]
+            o_row = i_d * total * H + (row0 + o_b).to(tl.int64)[:, None] * H + o_j[None, :]
+            o_row3 = i_d * total * 3 * H + (row0 + o_b).to(tl.int64)[:, None] * (3 * H) + o_j[None, :]
+            b_dh = b_carry + tl.load(p_dy + o_row, mask=m, other=0.0).to(COMPUTE)
+            b_r = tl.load(p_gates + o_row3, mask=m, other=0.0).to(COMPUTE)
+            b_z = tl.load(p_gates + o_row3 + H, mask=m, other=0.0).to(COMPUTE)
+            b_n = tl.load(p_gates + o_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
+            b_h = tl.load(p_states + o_row, mask=m, other=0.0).to(COMPUTE)
+            b_a = b_dh * (1.0 - b_z)
+            b_dz = b_a * (b_h - b_n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
+            b_dn = b_a * (1.0 - b_n * b_n)
+            b_dn_h = b_dn * b_r
+            b_dr = b_dn_h * tl.load(p_hn + o_row, mask=m, other=0.0).to(COMPUTE) * (1.0 - b_r)
+            b_dr, b_dz, b_dn_h = b_dr.to(dt), b_dz.to(dt), b_dn_h.to(dt)
+            tl.store(p_dgates + o_row3, b_dr, mask=m)
+            tl.store(p_dgates + o_row3 + H, b_dz, mask=m)
+            tl.store(p_dgates + o_row3 + 2 * H, b_dn_h, mask=m)
+            tl.store(p_dn_in + o_row, b_dn.to(dt), mask=m)
+            b_acc = dot(b_dr, b_wr, b_dh * b_z, UPCAST, TF32)
+            b_acc = dot(b_dz, b_wz, b_acc, UPCAST, TF32)
+            b_acc = dot(b_dn_h, b_wn, b_acc, UPCAST, TF32)
             # rows that have not started yet (shorter sequences) keep their dh_n
-            carry = tl.where(mb[:, None], acc, carry)
-    tl.store(dh0 + p_carry, carry, mask=m_carry)
+            b_carry = tl.where(m_b[:, None], b_acc, b_carry)
+    tl.store(p_dh0 + o_carry, b_carry, mask=m_carry)
 
 
 def _temporaries(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
