@@ -7,7 +7,6 @@ how CI tests the GPU kernels on a machine without a GPU. Nothing else in tandem 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -18,12 +17,16 @@ __all__ = ["FORCE_TRITON", "triton_available", "use_triton"]
 FORCE_TRITON: bool = os.environ.get("TANDEM_FORCE_TRITON", "0") == "1"
 
 
-@functools.cache
+# Looked up once at import, a plain constant: torch.compile traces use_triton, and a cached function
+# there makes Dynamo warn at every compile of a model with tandem's layers.
+_TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported (it is an optional extra)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op given ``t`` should run its Triton kernel rather than its PyTorch reference."""
-    return triton_available() and (t.is_cuda or (FORCE_TRITON and t.device.type == "cpu"))
+    return _TRITON_AVAILABLE and (t.is_cuda or (FORCE_TRITON and t.device.type == "cpu"))
