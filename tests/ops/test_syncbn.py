@@ -388,6 +388,6 @@ def test_sm90_build_of_every_kernel(kernel, dtype, tmp_path):
                 signature[arg] = "*u8" if has_mask else f"*{dtype}"  # no mask: a dummy, the input
             else:
                 signature[arg] = f"*{dtype}" if arg in data else f"*{acc}"
-        built = compile_sm90(fn, signature, constexprs, num_warps=warps)
+        built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
         stack = local_memory_bytes(built.asm["cubin"], tmp_path)
         assert stack == 0, f"mask {has_mask}, BLOCK_C {block_c}, {warps} warps: {stack} bytes of stack"

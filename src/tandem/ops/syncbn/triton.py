@@ -183,9 +183,12 @@ class _Grid:
         else:  # frames innermost: wide along S
             self.block_c, self.block_s = min(8, triton.next_power_of_2(c)), 128
         self.block_s = min(self.block_s, max(16, triton.next_power_of_2(s)))
-        # 8 values a thread, as Triton's layer-norm tutorial picks: the 32 x 64 tile with 4 warps spills
-        # in the float16 backward (Triton 3.9) and the float64 statistics (3.6); with 8 none does
-        self.num_warps = min(8, max(1, self.block_c * self.block_s // 256))
+        # Launch options. num_warps: 8 values a thread, as Triton's layer-norm tutorial picks: the 32 x 64
+        # tile with 4 warps spills in the float16 backward (Triton 3.9) and the float64 statistics (3.6),
+        # with 8 none does. Contracted multiply-adds, as the RNN kernels: Triton 3.9 warns when this is
+        # left to its default, and 3.10 turns that default off.
+        warps = min(8, max(1, self.block_c * self.block_s // 256))
+        self.launch = dict(num_warps=warps, enable_fp_fusion=True)
         self.n_sblocks = triton.cdiv(s, self.block_s)
         self.n_tiles = n * self.n_sblocks
         self.n_cblocks = triton.cdiv(c, self.block_c)
@@ -249,7 +252,7 @@ def syncbn_stats_triton(x: torch.Tensor, mask: torch.Tensor | None):
     m2 = x.new_empty(g.progs, c, dtype=acc)
     _syncbn_stats_kernel[g.grid](
         x, _mask_bytes(mask, x), pivot, count, mean, m2, *g.args(),
-        ACC=_acc(x), HAS_MASK=mask is not None, BLOCK_S=g.block_s, BLOCK_C=g.block_c, num_warps=g.num_warps,
+        ACC=_acc(x), HAS_MASK=mask is not None, BLOCK_S=g.block_s, BLOCK_C=g.block_c, **g.launch,
     )  # fmt: skip
     # Partial counts are exact in float32 only up to 2^24 frames: sum them in float64.
     total = count.to(torch.float64).sum().to(acc)
@@ -269,7 +272,7 @@ def syncbn_fwd_triton(x, mean, invstd, weight, bias, mask):
     g = _Grid(x)
     _syncbn_fwd_kernel[g.grid](
         x, y, _mask_bytes(mask, x), hi, scale, shift, *g.args(),
-        ACC=_acc(x), HAS_MASK=mask is not None, BLOCK_S=g.block_s, BLOCK_C=g.block_c, num_warps=g.num_warps,
+        ACC=_acc(x), HAS_MASK=mask is not None, BLOCK_S=g.block_s, BLOCK_C=g.block_c, **g.launch,
     )  # fmt: skip
     return y
 
@@ -285,7 +288,7 @@ def syncbn_bwd_reduce_triton(dy, x, mean, invstd, mask):
     sum_dy_xmu = invstd.new_empty(g.progs, c)
     _syncbn_bwd_reduce_kernel[g.grid](
         _like(dy, x), x, _mask_bytes(mask, x), hi, sum_dy, sum_dy_xmu, *g.args(),
-        ACC=_acc(x), HAS_MASK=mask is not None, BLOCK_S=g.block_s, BLOCK_C=g.block_c, num_warps=g.num_warps,
+        ACC=_acc(x), HAS_MASK=mask is not None, BLOCK_S=g.block_s, BLOCK_C=g.block_c, **g.launch,
     )  # fmt: skip
     sum_dy = sum_dy.sum(0)
     return sum_dy, (sum_dy_xmu.sum(0) - lo * sum_dy) * invstd
@@ -304,6 +307,6 @@ def syncbn_bwd_triton(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask):
     g = _Grid(x)
     _syncbn_bwd_kernel[g.grid](
         _like(dy, x), x, dx, _mask_bytes(mask, x), hi, scale, k, c, *g.args(),
-        ACC=_acc(x), HAS_MASK=mask is not None, BLOCK_S=g.block_s, BLOCK_C=g.block_c, num_warps=g.num_warps,
+        ACC=_acc(x), HAS_MASK=mask is not None, BLOCK_S=g.block_s, BLOCK_C=g.block_c, **g.launch,
     )  # fmt: skip
     return dx
