@@ -41,9 +41,9 @@ TRITON_DEVICE = _triton_device()
 def _triton_version() -> tuple[int, int]:
     if not _backend.triton_available():
         return (0, 0)
-    import triton
+    from tandem.ops._triton_rnn import TRITON_VERSION
 
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+    return TRITON_VERSION
 
 
 # (major, minor) of the installed Triton, (0, 0) without one: what a kernel table leaves out may depend on it

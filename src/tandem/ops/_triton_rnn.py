@@ -4,6 +4,8 @@ optional)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -25,9 +27,15 @@ __all__ = [
     "gate_tile",
 ]
 
+
+def _major_minor(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else (99, 0)  # unreadable: as the newest
+
+
 # (major, minor) of the Triton that builds the kernels: a kernel table may leave out what one version
 # cannot build (torch 2.11's GPU image has Triton 3.6; CI takes the newest).
-TRITON_VERSION: tuple[int, int] = tuple(int(part) for part in triton.__version__.split(".")[:2])
+TRITON_VERSION: tuple[int, int] = _major_minor(triton.__version__)
 
 
 @triton.jit
