@@ -23,8 +23,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 # The kernels' tests (tests/ops) once more with the Triton of the GPU image (torch 2.11 pins 3.6), in a
-# venv of their own: what builds with the newest Triton must build there too. Triton 3.6's interpreter
-# needs numpy < 2.3.
+# venv of their own, on the CPU (CI): what builds with the newest Triton must build there too. Triton
+# 3.6's interpreter needs numpy < 2.3. Not for a GPU machine: pip would fetch a CUDA build of torch.
 IMAGE_TRITON ?= 3.6.0
 IMAGE_VENV   := .venv-triton-$(IMAGE_TRITON)
 
