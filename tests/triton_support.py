@@ -19,6 +19,7 @@ __all__ = [
     "TRITON_VERSION",
     "LaunchCounter",
     "compile_sm90",
+    "sm90_signature",
     "local_memory_bytes",
     "needs_triton",
     "run_under_interpreter",
@@ -83,6 +84,21 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, **options):
         pytest.skip(f"no ahead-of-time compiler API in this Triton: {e}")
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sm90_signature(
+    fn, constexprs: dict, dtype: str, pointers: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The argument types :func:`compile_sm90` takes for ``fn``, by the kernels' naming (STYLE.md):
+    ``constexprs`` as such, ``p_`` pointers to ``dtype`` (or to ``pointers[name]``), any other argument a
+    32-bit integer."""
+    pointers = pointers or {}
+    return {
+        arg: "constexpr"
+        if arg in constexprs
+        else (f"*{pointers.get(arg, dtype)}" if arg.startswith("p_") else "i32")
+        for arg in fn.arg_names
+    }
 
 
 def local_memory_bytes(cubin: bytes, tmp_path: Path) -> int:

@@ -27,6 +27,7 @@ from triton_support import (
     local_memory_bytes,
     needs_triton,
     run_under_interpreter,
+    sm90_signature,
 )
 
 
@@ -259,15 +260,7 @@ def _compile_gru_sm90(kernel: str, dtype: torch.dtype, tf32: bool):
     if kernel == "fwd":
         constexprs["HAS_BIAS"] = True
     carry = "fp64" if dtype == torch.float64 else "fp32"
-    pointers = {"p_dhin": carry, "p_dhout": carry}
-    signature = {}
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg in ("stride_prev_d", "prev_row0", "row0", "n_rows", "batch", "total"):
-            signature[arg] = "i32"
-        else:
-            signature[arg] = "*" + pointers.get(arg, _DTYPE_NAMES[dtype])
+    signature = sm90_signature(fn, constexprs, _DTYPE_NAMES[dtype], {"p_dhin": carry, "p_dhout": carry})
     return compile_sm90(fn, signature, constexprs, **options)
 
 
@@ -407,16 +400,8 @@ def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kin
         constexprs |= dict(TF32=precision == "tf32", BLOCK_B=16, BLOCK_H=block)
         if kind == "fwd":
             constexprs["HAS_BIAS"] = True
-        signature = {}
-        for arg in fn.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg in ("n_steps", "batch", "total"):
-                signature[arg] = "i32"
-            elif arg == "p_dh0":  # written in the compute dtype
-                signature[arg] = f"*{compute}"
-            else:
-                signature[arg] = "*i32" if arg == "p_rows" else f"*{dtype}"
+        # dh0 is written in the compute dtype
+        signature = sm90_signature(fn, constexprs, dtype, {"p_dh0": compute, "p_rows": "i32"})
         built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
         stack = local_memory_bytes(built.asm["cubin"], tmp_path)
         assert stack == 0, f"{dtype} BLOCK_H {block}, {warps} warps: {stack} bytes of stack"

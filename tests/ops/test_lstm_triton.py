@@ -28,6 +28,7 @@ from triton_support import (
     local_memory_bytes,
     needs_triton,
     run_under_interpreter,
+    sm90_signature,
 )
 
 
@@ -370,12 +371,7 @@ def _compile_sm90(kernel: str, dtype: torch.dtype, tf32: bool = False):
     constexprs = dict(COMPUTE=tl.float64 if dtype == torch.float64 else tl.float32, UPCAST=False, TF32=tf32)
     constexprs |= dict(BLOCK_B=32, BLOCK_H=32)
     constexprs |= dict(BLOCK_R=32) | (dict(HAS_DH=True, HAS_DHIN=True) if kernel == "bwd" else {})
-    signature = {
-        arg: "constexpr"
-        if arg in constexprs
-        else (f"*{compute if arg in carries else name}" if arg[:2] == "p_" else "i32")
-        for arg in fn.arg_names
-    }
+    signature = sm90_signature(fn, constexprs, name, dict.fromkeys(carries, compute))
     return compile_sm90(fn, signature, constexprs, **lstm_triton.LAUNCH_OPTIONS)
 
 
@@ -544,16 +540,10 @@ def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kin
     ):
         constexprs = dict(H=block, COMPUTE=getattr(tl, f"float{compute[2:]}"), UPCAST=False, **variant)
         constexprs |= dict(TF32=precision == "tf32", BLOCK_B=16, BLOCK_H=block)
-        signature = {}
-        for arg in fn.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg[:2] != "p_":
-                signature[arg] = "i32"
-            elif arg in ("p_dh0", "p_dc0"):  # written in the compute dtype
-                signature[arg] = f"*{compute}"
-            else:
-                signature[arg] = "*i32" if arg == "p_rows" else f"*{dtype}"
+        # dh0 and dc0 are written in the compute dtype
+        signature = sm90_signature(
+            fn, constexprs, dtype, {"p_dh0": compute, "p_dc0": compute, "p_rows": "i32"}
+        )
         built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
         stack = local_memory_bytes(built.asm["cubin"], tmp_path)
         assert stack == 0, f"{dtype} BLOCK_H {block}, {warps} warps {variant}: {stack} bytes of stack"

@@ -36,6 +36,7 @@ from triton_support import (
     local_memory_bytes,
     needs_triton,
     run_under_interpreter,
+    sm90_signature,
 )
 
 OPS = torch.ops.tandem
@@ -378,16 +379,9 @@ def test_sm90_build_of_every_kernel(kernel, dtype, tmp_path):
     for has_mask, (block_c, block_s, warps) in itertools.product([True, False], [(64, 32, 8), (8, 128, 4)]):
         constexprs = dict(ACC=getattr(tl, f"float{acc[2:]}"), HAS_MASK=has_mask, BLOCK_S=block_s)
         constexprs["BLOCK_C"] = block_c
-        signature = {}
-        for arg in fn.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif not arg.startswith("p_"):
-                signature[arg] = "i32"
-            elif arg == "p_mask":
-                signature[arg] = "*u8" if has_mask else f"*{dtype}"  # no mask: a dummy, the input
-            else:
-                signature[arg] = f"*{dtype}" if arg in data else f"*{acc}"
+        # no mask: a dummy pointer, the input
+        pointers = dict.fromkeys(data, dtype) | {"p_mask": "u8" if has_mask else dtype}
+        signature = sm90_signature(fn, constexprs, acc, pointers)
         built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
         stack = local_memory_bytes(built.asm["cubin"], tmp_path)
         assert stack == 0, f"mask {has_mask}, BLOCK_C {block_c}, {warps} warps: {stack} bytes of stack"
