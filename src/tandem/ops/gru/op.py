@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from tandem._backend import triton_available, use_triton
-from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref
+from tandem.ops._recompute import grads_through, wants_graph
+from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref, gru_layer_autograd
 
 __all__ = ["gru_fwd", "gru_bwd"]
 
@@ -93,18 +94,24 @@ def _gru_bwd_fake(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states
 
 
 def _setup_context(ctx, inputs, output):
-    x, batch_sizes, h0, w_ih, w_hh, b_ih, _ = inputs
+    x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh = inputs
     y, _, gates, hn, states = output
     ctx.mark_non_differentiable(gates, hn, states)
     ctx.set_materialize_grads(False)
     ctx.has_bias = b_ih is not None
-    ctx.save_for_backward(x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states)
+    ctx.save_for_backward(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh, y, gates, hn, states)
 
 
 def _backward(ctx, dy, dh_n, *_):
-    x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states = ctx.saved_tensors
+    x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh, y, gates, hn, states = ctx.saved_tensors
     if dy is None and dh_n is None:
         return (None,) * 7
+    inputs = (x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
+    if wants_graph(dy, dh_n, *inputs):
+        # create_graph=True: a derivative of these gradients may follow (see tandem.ops._recompute)
+        with torch.enable_grad():
+            outputs = gru_layer_autograd(*inputs)
+        return tuple(grads_through(outputs, (dy, dh_n), inputs, ctx.needs_input_grad))
     need_dx = ctx.needs_input_grad[0]
     dx, dh0, dw_ih, dw_hh, db_ih, db_hh = gru_bwd(
         dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, ctx.has_bias, need_dx

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tandem.ops._packed import PackedSteps
+from tandem.ops._recompute import packed_layer
 from tandem.ops._workspace import scratch
 
-__all__ = ["PackedSteps", "gru_fwd_ref", "gru_bwd_ref"]
+__all__ = ["PackedSteps", "gru_fwd_ref", "gru_bwd_ref", "gru_layer_autograd"]
 
 
 def _stack_directions(x: Tensor, steps: PackedSteps, out: Tensor) -> Tensor:
@@ -281,3 +282,32 @@ def gru_bwd_epilogue(
     else:
         db_ih, db_hh = x.new_empty(0), x.new_empty(0)
     return dx, dw_ih, dw_hh, db_ih, db_hh
+
+
+def gru_layer_autograd(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """``(y, h_n)`` of :func:`gru_fwd_ref`, step by step with autograd-tracked ops and torch.nn.GRU's
+    formulas: what a backward with ``create_graph=True`` differentiates (:mod:`tandem.ops._recompute`)."""
+
+    def project(d: int, rows: Tensor) -> Tensor:
+        return F.linear(rows, w_ih[d], None if b_ih is None else b_ih[d])
+
+    def cell(d: int, gi: Tensor, states: tuple[Tensor, ...]) -> tuple[Tensor]:
+        (h,) = states
+        gh = F.linear(h, w_hh[d], None if b_hh is None else b_hh[d])
+        i_r, i_z, i_n = gi.chunk(3, 1)
+        h_r, h_z, h_n = gh.chunk(3, 1)
+        r = torch.sigmoid(i_r + h_r)
+        z = torch.sigmoid(i_z + h_z)
+        n = torch.tanh(i_n + r * h_n)
+        return ((1 - z) * n + z * h,)
+
+    y, (h_n,) = packed_layer(x, batch_sizes, (h0,), project, cell)
+    return y, h_n

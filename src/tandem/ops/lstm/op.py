@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from tandem._backend import triton_available, use_triton
-from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref
+from tandem.ops._recompute import grads_through, wants_graph
+from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref, lstm_layer_autograd
 
 __all__ = ["lstm_fwd", "lstm_bwd"]
 
@@ -144,21 +145,27 @@ def _lstm_bwd_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, _, w_hr, need_saved = inputs
+    x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved = inputs
     y, _, _, gates, cells, hr, states = output
     ctx.need_saved = need_saved
     ctx.mark_non_differentiable(gates, cells, hr, states)
     ctx.set_materialize_grads(False)
     ctx.has_bias = b_ih is not None
-    ctx.save_for_backward(x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, hr, states)
+    ctx.save_for_backward(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, y, gates, cells, hr, states)
 
 
 def _backward(ctx, dy, dh_n, dc_n, *_):
-    x, batch_sizes, h0, c0, w_ih, w_hh, w_hr, y, gates, cells, hr, states = ctx.saved_tensors
+    x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, y, gates, cells, hr, states = ctx.saved_tensors
     if dy is None and dh_n is None and dc_n is None:
         return (None,) * 10
     if not ctx.need_saved:
         raise RuntimeError("tandem::lstm_fwd: a gradient was asked for but the op ran with need_saved=False")
+    inputs = (x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
+    if wants_graph(dy, dh_n, dc_n, *inputs):
+        # create_graph=True: a derivative of these gradients may follow (see tandem.ops._recompute)
+        with torch.enable_grad():
+            outputs = lstm_layer_autograd(*inputs)
+        return (*grads_through(outputs, (dy, dh_n, dc_n), inputs, ctx.needs_input_grad[:9]), None)
     need_dx = ctx.needs_input_grad[0]
     dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr = lstm_bwd(
         dy,

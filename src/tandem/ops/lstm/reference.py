@@ -32,12 +32,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tandem.ops._packed import PackedSteps
+from tandem.ops._recompute import packed_layer
 from tandem.ops._workspace import scratch
 
-__all__ = ["lstm_fwd_ref", "lstm_bwd_ref"]
+__all__ = ["lstm_fwd_ref", "lstm_bwd_ref", "lstm_layer_autograd"]
 
 
 def _gate_scale(hid: int, like: Tensor) -> Tensor:
@@ -350,3 +352,32 @@ def lstm_bwd_ref(
         dz, grad_h, x, h0, states, hr, w_ih, w_hr, steps, scale, has_bias, need_dx, *xs_buf
     )
     return dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh, dw_hr
+
+
+def lstm_layer_autograd(
+    x: Tensor,
+    batch_sizes: Tensor,
+    h0: Tensor,
+    c0: Tensor,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, h_n, c_n)`` of :func:`lstm_fwd_ref`, step by step with autograd-tracked ops and
+    torch.nn.LSTM's formulas: what a backward with ``create_graph=True`` differentiates
+    (:mod:`tandem.ops._recompute`)."""
+
+    def project(d: int, rows: Tensor) -> Tensor:
+        return F.linear(rows, w_ih[d], None if b_ih is None else b_ih[d])
+
+    def cell(d: int, gi: Tensor, states: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        h, c = states
+        i, f, g, o = (gi + F.linear(h, w_hh[d], None if b_hh is None else b_hh[d])).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return (h if w_hr is None else F.linear(h, w_hr[d])), c
+
+    y, (h_n, c_n) = packed_layer(x, batch_sizes, (h0, c0), project, cell)
+    return y, h_n, c_n
