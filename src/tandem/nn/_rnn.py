@@ -83,6 +83,8 @@ class RNNLayers(torch.nn.RNNBase):
             return
         x = rows.data.transpose(0, 1) if self.batch_first else rows.data
         steps = x.size(0)
+        if steps == 0:
+            raise RuntimeError("Expected sequence length to be larger than 0 in RNN")  # torch's words
         rows.data = x.reshape(steps * rows.mini_batch, self.input_size)
         rows.batch_sizes = torch.full((steps,), rows.mini_batch, dtype=torch.long)
 
@@ -113,7 +115,7 @@ class RNNLayers(torch.nn.RNNBase):
         """The last layer's rows ``[P, D*H]`` in the form of the input."""
         if rows.packed:
             return PackedSequence(output, rows.batch_sizes, rows.sorted_indices, rows.unsorted_indices)
-        out = output.view(-1, rows.mini_batch, output.shape[-1])
+        out = output.view(rows.batch_sizes.numel(), rows.mini_batch, output.shape[-1])
         if self.batch_first:
             out = out.transpose(0, 1)
         return out if rows.batched else out.squeeze(rows.batch_dim)

@@ -10,6 +10,7 @@ from torch.nn.utils.rnn import PackedSequence
 from tandem.nn._rnn import RNNLayers
 from tandem.ops.lstm import lstm as lstm_layer
 from tandem.ops.lstm.onednn import lstm_layer_onednn, onednn_applies
+from tandem.ops.lstm.reference import lstm_layer_autograd
 
 __all__ = ["LSTM"]
 
@@ -142,7 +143,11 @@ class LSTM(RNNLayers):
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
         # where torch.nn.LSTM runs oneDNN's fused cell (dense float32 CPU input, no projection), so does
         # this module; tandem's own kernel everywhere else (see tandem.ops.lstm.onednn)
-        onednn = dtype is None and onednn_applies(rows.data, rows.packed, self.proj_size)
+        onednn = (
+            dtype is None and rows.mini_batch > 0 and onednn_applies(rows.data, rows.packed, self.proj_size)
+        )
+        # an empty batch (B = 0) runs autograd-tracked ops, as torch's does: the kernels take none
+        run_layer = lstm_layer if rows.mini_batch else lstm_layer_autograd
         for layer in range(self.num_layers):
             span = slice(layer * num_directions, (layer + 1) * num_directions)
             if onednn:
@@ -151,7 +156,7 @@ class LSTM(RNNLayers):
                 )
             else:
                 weights = self._layer_weights(layer, names, dtype)
-                layer_input, h_last, c_last = lstm_layer(
+                layer_input, h_last, c_last = run_layer(
                     layer_input, rows.batch_sizes, hx[0][span], hx[1][span], *weights
                 )
             h_n.append(h_last)

@@ -33,9 +33,15 @@ def packed_layer(
     input rows ``[P, I]`` (in its step order) to what its cell reads; ``cell(d, rows, states)`` maps one
     step's ``[n, ...]`` rows and states to the new states, whose first is the step's output. Returns
     ``(y [P, D * R], finals)``: the outputs time-packed, the reverse direction's aligned with the input
-    frames, and each state after each sequence's last step, ``[D, B, ...]``.
+    frames, and each state after each sequence's last step, ``[D, B, ...]``. Also serves an empty batch
+    (``B = 0``), which the ops' kernels do not take.
     """
     directions, batch = init[0].shape[:2]
+    if batch == 0:
+        # an empty batch (torch.nn.GRU/LSTM take one): one step over no rows keeps every weight in the
+        # graph, so each gets a zero gradient as it does in torch
+        finals = [cell(d, project(d, x), tuple(s[d] for s in init)) for d in range(directions)]
+        return torch.cat([f[0] for f in finals], 1), tuple(torch.stack(parts) for parts in zip(*finals))
     steps = PackedSteps.build(batch_sizes, x.shape[0], batch, directions, x.device)
     sizes = steps.sizes
     outputs, finals = [], []
