@@ -62,6 +62,16 @@ class GRUNet(torch.nn.Module):
         return self.head(out)
 
 
+def syncbn_mlp(seed: int = 6) -> torch.nn.Module:
+    """tandem.nn.SyncBatchNorm between the layers: its backward all-reduces while DDP's buckets go out."""
+    torch.manual_seed(seed)
+    sbn = tandem.nn.SyncBatchNorm
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8), sbn(8), torch.nn.Tanh(), torch.nn.Linear(8, 8), sbn(8), torch.nn.Tanh(),
+        torch.nn.Linear(8, 3),
+    ).double()  # fmt: skip
+
+
 class Branchy(torch.nn.Module):
     """``c`` is used only when asked; ``frozen`` never needs a gradient."""
 
@@ -182,6 +192,9 @@ def _check_single_process(rank: int, world: int) -> dict[str, Any]:
     m = GRUNet()
     train(TandemDDP(m, timeout=CHECK_TIMEOUT_S), 3, world, rank, kind="gru")
     out["gru"] = params(m)
+    m = syncbn_mlp()  # one bucket per parameter: many collectives in flight beside SyncBatchNorm's
+    train(TandemDDP(m, bucket_cap_mb=0, timeout=CHECK_TIMEOUT_S), 3, world, rank)
+    out["syncbn"] = params(m)
     return out
 
 

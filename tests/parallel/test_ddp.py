@@ -72,10 +72,15 @@ def reference(make, steps: int, kind: str = "mlp") -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("variant", ["tiny_buckets", "bucket_view", "one_param_buckets_view", "gru"])
+@pytest.mark.parametrize(
+    "variant", ["tiny_buckets", "bucket_view", "one_param_buckets_view", "gru", "syncbn"]
+)
 def test_equals_single_process_on_concatenated_batch(main_results, variant):
+    """``syncbn``: tandem.nn.SyncBatchNorm's backward all-reduce beside DDP's buckets (they once shared
+    a group, and Gloo paired the two ranks' collectives in different orders)."""
     per_rank = check(main_results, "single_process")
-    want = reference(w.GRUNet, 3, "gru") if variant == "gru" else reference(w.mlp, 3)
+    make = {"gru": w.GRUNet, "syncbn": w.syncbn_mlp}.get(variant, w.mlp)
+    want = reference(make, 3, "gru" if variant == "gru" else "mlp")
     for res in per_rank:
         assert_same_state(res[variant], want, **TIGHT)
     if variant == "bucket_view":

@@ -288,7 +288,17 @@ class DistributedDataParallel(torch.nn.Module):
         # all-reduce copies the result back to .grad (unless find_unused_parameters needs the used map
         # first). CUDA copies are asynchronous already and stay on the caller's stream.
         on_cpu = self._comm_device.type == "cpu"
-        self._comm_thread = _CommThread() if on_cpu and not gradient_as_bucket_view else None
+        # Collectives issued from that thread would interleave, in a different order on each rank, with
+        # collectives the program issues on ``process_group`` during backward (a SyncBatchNorm's backward
+        # all-reduce): Gloo pairs collectives by order, so the ranks would mix up their messages. The
+        # thread therefore communicates on a group of its own over the same ranks. torch's reducer needs
+        # none: it issues every collective from the autograd thread, in backward's order, as this wrapper
+        # does for CUDA buckets, and for a group smaller than the world, which it cannot duplicate
+        # (every rank of the world must take part in creating a group, and only members construct this).
+        spans_world = _spans_world(process_group)
+        use_thread = on_cpu and not gradient_as_bucket_view and spans_world
+        self._comm_thread = _CommThread() if use_thread else None
+        self._comm_group = dist.new_group() if use_thread and self.world_size > 1 else process_group
         self._copy_when_done = on_cpu and not find_unused_parameters and not gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._sync_module_state()
@@ -598,7 +608,7 @@ class DistributedDataParallel(torch.nn.Module):
         bucket.launch_t = time.perf_counter()
         target = bucket.target()
         if self._comm_hook is None:
-            fut = dist.all_reduce(target, group=self.process_group, async_op=True).get_future()
+            fut = dist.all_reduce(target, group=self._comm_group, async_op=True).get_future()
             bucket.sent_bytes = bucket.nbytes
         else:
             grad_bucket = GradBucket(
@@ -610,7 +620,14 @@ class DistributedDataParallel(torch.nn.Module):
                 [self._params[i] for i in bucket.members],
                 bucket.index == len(self._buckets) - 1,
             )
-            fut = self._comm_hook(self._comm_state, grad_bucket)
+            # A hook's state None means "the default group" to torch's hooks: the private one here, for
+            # the reason above (only a hook that names a group of its own uses that one).
+            state = (
+                self._comm_group
+                if self._comm_state is None and self._comm_thread is not None
+                else self._comm_state
+            )
+            fut = self._comm_hook(state, grad_bucket)
             # Future.then() returns the C++ future class: check what is used, not the Python type.
             if not (hasattr(fut, "add_done_callback") and hasattr(fut, "wait")):
                 raise TypeError(
@@ -683,7 +700,7 @@ class DistributedDataParallel(torch.nn.Module):
             used = [a | b for a, b in zip(self._fired, self._used_since_sync)]
             counts = torch.tensor(used, dtype=torch.int32, device=self._comm_device)
             op = _Op()
-            self._submit(functools.partial(op.all_reduce, counts, self.process_group))
+            self._submit(functools.partial(op.all_reduce, counts, self._comm_group))
             what = "the all-reduce of the used-parameter map"
             wait_event(op.event, deadline, what, self.timeout)
             if op.error is not None:
@@ -781,6 +798,11 @@ class DistributedDataParallel(torch.nn.Module):
         except CommunicationError as e:
             self._failure = e
             raise
+
+
+def _spans_world(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the default group) holds every rank of the world."""
+    return group is None or dist.get_world_size(group) == dist.get_world_size()
 
 
 def _copy_scaled(view: Tensor, grad: Tensor | None, scale: float) -> None:
