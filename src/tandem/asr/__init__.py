@@ -1,0 +1,38 @@
+"""``tandem.asr``: the main job's application, a DeepSpeech-style speech recognizer built from tandem's
+parts (see ``shared/DESIGN.md``): the bundled recordings and the connected-digit generator, log-mel
+features, the model, CTC decoding, error rates, training."""
+
+from __future__ import annotations
+
+from tandem.asr.augment import Augmentation
+from tandem.asr.corpus import Recordings, load_spoken_digits
+from tandem.asr.decode import greedy_decode
+from tandem.asr.features import FeatureConfig, LogMel, mel_filterbank, resample
+from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
+from tandem.asr.metrics import ErrorRates, edit_distance, error_rates
+from tandem.asr.model import TANDEM_PARTS, TORCH_PARTS, DeepSpeech2, ModelConfig, Parts
+from tandem.asr.text import ENGLISH, Alphabet
+
+__all__ = [
+    "Alphabet",
+    "Augmentation",
+    "ConnectedDigits",
+    "DeepSpeech2",
+    "ENGLISH",
+    "ErrorRates",
+    "FeatureConfig",
+    "LogMel",
+    "ModelConfig",
+    "Parts",
+    "Recordings",
+    "TANDEM_PARTS",
+    "TORCH_PARTS",
+    "Utterance",
+    "edit_distance",
+    "error_rates",
+    "greedy_decode",
+    "load_spoken_digits",
+    "mel_filterbank",
+    "resample",
+    "split_recordings",
+]

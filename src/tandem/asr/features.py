@@ -1,0 +1,182 @@
+"""Audio to features with torch alone: log-mel spectrograms and a band-limited resampler.
+
+torchaudio has no build for every torch tandem supports, so the mel filterbank and the resampler are
+written here from their textbook definitions (the filterbank is the HTK one that torchaudio and
+librosa's ``htk=True`` compute; the tests compare with librosa and scipy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+__all__ = ["FeatureConfig", "LogMel", "mel_filterbank", "resample", "hz_to_mel", "mel_to_hz"]
+
+
+def hz_to_mel(hz: Tensor | float) -> Tensor:
+    """The HTK mel scale: ``2595 log10(1 + f / 700)``."""
+    return 2595.0 * torch.log10(1.0 + torch.as_tensor(hz, dtype=torch.float64) / 700.0)
+
+
+def mel_to_hz(mel: Tensor | float) -> Tensor:
+    return 700.0 * (10.0 ** (torch.as_tensor(mel, dtype=torch.float64) / 2595.0) - 1.0)
+
+
+def mel_filterbank(
+    sample_rate: int,
+    n_fft: int,
+    n_mels: int,
+    f_min: float = 0.0,
+    f_max: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Triangular filters ``[n_fft // 2 + 1, n_mels]`` on the HTK mel scale, unnormalised.
+
+    Filter ``m`` rises from 0 at the ``m``-th of ``n_mels + 2`` points equally spaced in mel between
+    ``f_min`` and ``f_max`` (default: Nyquist) to 1 at the next point and falls to 0 at the one after.
+    """
+    f_max = sample_rate / 2 if f_max is None else f_max
+    if not 0 <= f_min < f_max <= sample_rate / 2:
+        raise ValueError(
+            f"mel_filterbank: expected 0 <= f_min < f_max <= {sample_rate / 2}, got {f_min}, {f_max}"
+        )
+    bins = torch.linspace(0, sample_rate / 2, n_fft // 2 + 1, dtype=torch.float64)  # [K] Hz
+    edges = mel_to_hz(
+        torch.linspace(float(hz_to_mel(f_min)), float(hz_to_mel(f_max)), n_mels + 2, dtype=torch.float64)
+    )
+    lower, centre, upper = edges[:-2], edges[1:-1], edges[2:]  # [M] each
+    rising = (bins[:, None] - lower) / (centre - lower)
+    falling = (upper - bins[:, None]) / (upper - centre)
+    return torch.clamp(torch.minimum(rising, falling), min=0.0).to(dtype)
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """What turns a waveform into the model's input; saved in checkpoints, so a recognizer computes the
+    features it was trained on."""
+
+    sample_rate: int = 8000
+    n_mels: int = 40
+    window_ms: float = 25.0
+    hop_ms: float = 10.0
+
+    @property
+    def win_length(self) -> int:
+        return round(self.sample_rate * self.window_ms / 1000)
+
+    @property
+    def hop_length(self) -> int:
+        return round(self.sample_rate * self.hop_ms / 1000)
+
+    @property
+    def n_fft(self) -> int:
+        return 1 << (self.win_length - 1).bit_length()  # the next power of two
+
+    def frames(self, samples: Tensor | int) -> Tensor:
+        """Frames of a recording of ``samples`` samples (a recording shorter than a window has one)."""
+        samples = torch.as_tensor(samples)
+        return 1 + torch.clamp(samples - self.win_length, min=0) // self.hop_length
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class LogMel(torch.nn.Module):
+    """Log-mel spectrogram of a batch of waveforms, normalised per utterance and band.
+
+    Frames of ``window_ms`` every ``hop_ms`` (no centre padding: frame ``t`` covers samples
+    ``[t * hop, t * hop + win)``), a periodic Hann window, the power spectrum, the mel filterbank,
+    ``log(mel + 1e-6)``, then each band minus its mean over the utterance's frames, divided by their
+    standard deviation, so the level of a recording does not matter.
+
+    Args:
+        config: the frame and band settings.
+
+    Shapes:
+        waveforms ``[B, S]`` float (padded), lengths ``[B]`` (samples) ->
+        features ``[B, T, n_mels]`` (zeros beyond each utterance's frames), frames ``[B]``.
+
+    Example::
+
+        >>> features, frames = LogMel(FeatureConfig())(torch.randn(2, 8000), torch.tensor([8000, 4000]))
+        >>> features.shape, frames.tolist()
+        (torch.Size([2, 98, 40]), [98, 48])
+    """
+
+    def __init__(self, config: FeatureConfig = FeatureConfig()) -> None:
+        super().__init__()
+        self.config = config
+        # float64, cast to the waveforms' dtype at use: float64 features are exact to the last digits
+        window = torch.hann_window(config.win_length, periodic=True, dtype=torch.float64)
+        self.register_buffer("window", window, persistent=False)
+        fbank = mel_filterbank(config.sample_rate, config.n_fft, config.n_mels, dtype=torch.float64)
+        self.register_buffer("fbank", fbank, persistent=False)
+
+    def forward(self, waveforms: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.config
+        if waveforms.dim() != 2:
+            raise ValueError(f"LogMel: expected waveforms [B, S], got shape {list(waveforms.shape)}")
+        if waveforms.shape[1] < cfg.win_length:  # one frame of the zero-padded recording
+            waveforms = torch.nn.functional.pad(waveforms, (0, cfg.win_length - waveforms.shape[1]))
+        frames = cfg.frames(lengths.cpu())
+        # [B, T, win]: frame t of every utterance, windowed; rfft pads each to n_fft
+        chunks = waveforms.unfold(1, cfg.win_length, cfg.hop_length) * self.window.to(waveforms.dtype)
+        power = torch.fft.rfft(chunks, n=cfg.n_fft).abs().square()  # [B, T, K]
+        mel = torch.log(power @ self.fbank.to(power.dtype) + 1e-6)  # [B, T, M]
+        steps = mel.shape[1]
+        valid = (torch.arange(steps) < frames[:, None]).to(mel.device).unsqueeze(-1)  # [B, T, 1]
+        count = frames.to(mel.device, mel.dtype)[:, None, None]
+        mean = (mel * valid).sum(1, keepdim=True) / count
+        centred = (mel - mean) * valid
+        std = (centred.square().sum(1, keepdim=True) / count).sqrt()
+        return centred / (std + 1e-5), frames
+
+
+@lru_cache(maxsize=16)
+def _sinc_kernel(orig: int, new: int, zeros: int, rolloff: float) -> tuple[Tensor, int]:
+    """Polyphase filter ``[new, taps]`` (float64) of a Hann-windowed sinc low-pass and its half width."""
+    cutoff = rolloff * min(orig, new)  # in units where the sample period of the lower rate is 1 / min
+    width = math.ceil(zeros * orig / cutoff)
+    idx = torch.arange(-width, width + orig, dtype=torch.float64)[None, :] / orig  # [1, taps], input time
+    t = idx - torch.arange(new, dtype=torch.float64)[:, None] / new  # [new, taps]: distance to output n
+    t = t * cutoff
+    window = torch.where(t.abs() <= zeros, torch.cos(t * math.pi / zeros / 2) ** 2, 0.0)
+    kernel = torch.where(t == 0, 1.0, torch.sin(math.pi * t) / (math.pi * t).where(t != 0, 1.0))
+    return kernel * window * (cutoff / orig), width
+
+
+def resample(
+    waveform: Tensor, orig_freq: int, new_freq: int, *, zeros: int = 16, rolloff: float = 0.945
+) -> Tensor:
+    """Band-limited resampling of ``waveform`` ``[..., S]`` from ``orig_freq`` to ``new_freq`` Hz.
+
+    Windowed-sinc interpolation (Hann window over ``zeros`` zero crossings of the sinc) with its cut-off
+    at ``rolloff`` times the lower Nyquist frequency, so what the new rate cannot hold is filtered out
+    instead of folding back (aliasing). Output length ``ceil(S * new_freq / orig_freq)``. The rates are
+    reduced by their greatest common divisor: 48 kHz to 8 kHz is a 6:1 decimation.
+
+    Example::
+
+        >>> resample(torch.randn(16000), 16000, 8000).shape
+        torch.Size([8000])
+    """
+    for name, freq in (("orig_freq", orig_freq), ("new_freq", new_freq)):
+        if int(freq) != freq or freq <= 0:
+            raise ValueError(f"resample: expected a positive integer {name}, got {freq!r}")
+    if orig_freq == new_freq:
+        return waveform
+    g = math.gcd(int(orig_freq), int(new_freq))
+    orig, new = int(orig_freq) // g, int(new_freq) // g
+    kernel, width = _sinc_kernel(orig, new, zeros, rolloff)
+    shape, length = waveform.shape, waveform.shape[-1]
+    x = waveform.reshape(-1, 1, length)
+    x = torch.nn.functional.pad(x, (width, width + orig))
+    weight = kernel.to(waveform.dtype if waveform.is_floating_point() else torch.float32)[:, None, :]
+    y = torch.nn.functional.conv1d(x.to(weight.dtype), weight, stride=orig)  # [N, new, blocks]
+    y = y.transpose(1, 2).reshape(x.shape[0], -1)
+    out_length = math.ceil(length * new / orig)
+    return y[:, :out_length].reshape(*shape[:-1], out_length)
