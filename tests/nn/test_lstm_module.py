@@ -170,6 +170,29 @@ def test_dense_float32_runs_torchs_onednn_kernel_bit_for_bit(kwargs, states: boo
         assert torch.equal(got, expected)
 
 
+@needs_onednn
+@pytest.mark.parametrize("strided", ["input", "h0", "c0"])
+def test_onednn_path_takes_non_contiguous_tensors_bit_for_bit(strided: str):
+    """The oneDNN path given strided tensors (a permuted convolution output, as a DeepSpeech model feeds
+    its recurrent stack; sliced states) gives torch's numbers: oneDNN reads its arguments as dense
+    arrays, and tandem once handed it the strided memory (every output element off by up to ~0.7)."""
+    ref = torch.nn.LSTM(2, 3, num_layers=2, bidirectional=True)
+    ours = tandem.nn.LSTM(2, 3, num_layers=2, bidirectional=True)
+    ours.load_state_dict(ref.state_dict())
+    args = dict(input=torch.randn(4, 5, 2), h0=torch.randn(4, 5, 3), c0=torch.randn(4, 5, 3))
+    args[strided] = torch.repeat_interleave(args[strided], 2, dim=-1)[..., ::2]  # the same values, strided
+    results = []
+    for module in (ref, ours):
+        leaves = {n: t.detach().requires_grad_() for n, t in args.items()}
+        if module is ref:  # torch gets them contiguous
+            leaves = {n: t.detach().contiguous().requires_grad_() for n, t in args.items()}
+        out, (h_n, c_n) = module(leaves["input"], (leaves["h0"], leaves["c0"]))
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + h_n.sum() + 2 * c_n.sum()
+        results.append((out, h_n, c_n, *torch.autograd.grad(loss, list(leaves.values()))))
+    for expected, got in zip(*results):
+        assert torch.equal(got, expected)
+
+
 class _Calls:
     def __init__(self, fn):
         self.fn, self.count = fn, 0

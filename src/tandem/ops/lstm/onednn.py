@@ -50,7 +50,10 @@ def lstm_layer_onednn(
     parameters: autograd reaches them directly). Returns ``(y [T*B, D*H], h_n [D, B, H], c_n [D, B, H])``
     like :func:`tandem.ops.lstm`."""
     steps = x.shape[0] // batch
-    x3 = x.view(steps, batch, x.shape[1])
+    # oneDNN's primitive reads x, h0 and c0 as dense arrays whatever their strides: a permuted or sliced
+    # one gave wrong numbers and no error. contiguous() costs nothing for the usual contiguous tensors.
+    x3 = x.reshape(steps, batch, x.shape[1]).contiguous()
+    h0, c0 = h0.contiguous(), c0.contiguous()
     hid = c0.shape[-1]
     # the workspace (the saved gates) is only built when a backward can follow
     train = torch.is_grad_enabled() and any(
