@@ -214,6 +214,27 @@ def test_triton_kernel_backward_with_one_output_used(used: str, need_dx: bool, k
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "order", [(1, 0, 2), (2, 1, 0), (0, 2, 1)], ids=["batch-major", "reversed", "H-before-B"]
+)
+def test_triton_kernel_takes_a_permuted_h0(order: tuple[int, int, int], kernel: str):
+    """h0 stored in another dim order (dense, permuted strides) gives the gradients of a contiguous one:
+    the persistent backward once wrote dh0 contiguously into a buffer made with h0's strides."""
+    x, bs, h0, w_ih, w_hh, b_ih, b_hh = _layer_inputs([3, 3, 1], 2, hidden=5)
+    inverse = sorted(range(3), key=order.__getitem__)
+    permuted = h0.permute(order).contiguous().permute(inverse)
+    assert not permuted.is_contiguous()
+    results = []
+    for start in (h0, permuted):
+        h = start.detach().requires_grad_()
+        y, h_n = tandem.ops.gru(x, bs, h, w_ih, w_hh, b_ih, b_hh)
+        (y.sum() + h_n.square().sum()).backward()
+        results.append((y, h_n, h.grad))
+    for name, want, got in zip(("y", "h_n", "dh0"), *results):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12, msg=name)
+
+
+@needs_triton
 def test_triton_kernel_opcheck():
     """The dispatcher registrations (fake, autograd, schema) hold for the Triton kernels too."""
     args = _layer_inputs([3, 2, 2], 2, hidden=4)

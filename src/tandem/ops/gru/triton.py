@@ -486,8 +486,9 @@ def gru_bwd_triton(
     persistent = _persistent_meta("bwd", x, hid)
     if persistent:
         # rounded to h0's dtype here, as the per-step loop's carry (Triton's interpreter rounds float32 to
-        # bfloat16 toward zero, torch to nearest)
-        dh0 = torch.empty_like(h0, dtype=compute_dtype(x.dtype)[0])
+        # bfloat16 toward zero, torch to nearest); contiguous, as the kernel writes it (empty_like kept
+        # the strides of a permuted h0)
+        dh0 = torch.empty(h0.shape, dtype=compute_dtype(x.dtype)[0], device=h0.device)
         grid = (d_, triton.cdiv(batch, persistent["BLOCK_B"]))
         rows = step_rows(steps, x.device)
         _gru_bwd_persistent[grid](
