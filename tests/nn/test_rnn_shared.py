@@ -82,3 +82,71 @@ def test_no_time_steps_is_torchs_error(torch_cls, tandem_cls, unbatched):
     with pytest.raises(RuntimeError, match="sequence length") as got:
         tandem_cls(5, 6)(x)
     assert str(got.value) == str(expected.value)
+
+
+# Every way of calling the constructors that torch takes or refuses: positional and keyword, wrong types
+# and values, unknown keywords. tandem's modules must build the same module or raise the same error.
+CONSTRUCTOR_CALLS = {
+    "proj_size-kw": ((30, 20, 2), dict(proj_size=10)),
+    "proj_size-negative": ((3, 4), dict(proj_size=-1)),
+    "proj_size-too-big": ((3, 4), dict(proj_size=4)),
+    "proj_size-float": ((3, 4), dict(proj_size=2.0)),
+    "proj_size-zero": ((3, 4), dict(proj_size=0)),
+    "all-positional": ((3, 4, 2, False, True, 0.5, True), {}),
+    "eighth-positional": ((3, 4, 1, True, False, 0.0, False, "cpu"), {}),
+    "unknown-keyword": ((3, 4), dict(foo=1)),
+    "nonlinearity": ((3, 4), dict(nonlinearity="relu")),
+    "no-arguments": ((), {}),
+    "duplicate-argument": ((3, 4, 1), dict(num_layers=2)),
+    "dropout-out-of-range": ((3, 4, 2), dict(dropout=1.5)),
+    "dropout-bool": ((3, 4, 2), dict(dropout=True)),
+    "dropout-str": ((3, 4, 2), dict(dropout="0.1")),
+    "num_layers-float": ((3, 4, 2.0), {}),
+    "num_layers-zero": ((3, 4, 0), {}),
+    "bias-int": ((3, 4), dict(bias=1)),
+    "batch_first-str": ((3, 4), dict(batch_first="False")),
+    "input_size-str": (("3", 4), {}),
+    "hidden_size-zero": ((3, 0), {}),
+    "dtype-int": ((3, 4), dict(dtype=torch.int64)),
+    "device-meta": ((3, 4), dict(device="meta")),
+}
+
+
+def _build(cls, args, kwargs):
+    try:
+        return cls(*args, **kwargs)
+    except Exception as e:
+        return e
+
+
+@pytest.mark.parametrize("call", list(CONSTRUCTOR_CALLS))
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_constructor_takes_and_refuses_what_torch_does(torch_cls, tandem_cls, call: str):
+    args, kwargs = CONSTRUCTOR_CALLS[call]
+    torch.manual_seed(0)
+    expected = _build(torch_cls, args, kwargs)
+    torch.manual_seed(0)
+    got = _build(tandem_cls, args, kwargs)
+    if isinstance(expected, Exception):
+        assert type(got) is type(expected), f"torch raised {expected!r}, tandem gave {got!r}"
+        assert str(got) == str(expected)
+        return
+    assert not isinstance(got, Exception), f"torch built the module, tandem raised {got!r}"
+    assert str(got) == str(expected)
+    state, ref_state = got.state_dict(), expected.state_dict()
+    assert list(state) == list(ref_state)
+    for name, value in ref_state.items():
+        assert state[name].shape == value.shape and state[name].device == value.device, name
+        if value.device.type != "meta":
+            assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_forward_of_a_non_bool_bidirectional_is_torchs_error(torch_cls, tandem_cls):
+    """torch's constructor takes bidirectional=1 (and builds both directions); its forward then raises."""
+    x = torch.randn(3, 2, 4)
+    with pytest.raises(TypeError) as expected:
+        torch_cls(4, 5, bidirectional=1)(x)
+    with pytest.raises(TypeError) as got:
+        tandem_cls(4, 5, bidirectional=1)(x)
+    assert str(got.value) == str(expected.value)

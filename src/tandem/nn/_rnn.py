@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,6 +62,12 @@ class RNNLayers(torch.nn.RNNBase):
         if data.dtype != torch.float32 or not use_triton(data) or not torch.is_autocast_enabled(device):
             return None
         return torch.get_autocast_dtype(device)
+
+    def _torch_forward(self, input: Tensor | PackedSequence, hx: Any) -> Any:
+        """torch.nn.GRU's or LSTM's own forward on this module (its parameters and checks are torch's):
+        for settings tandem's kernels do not take and torch's forward rejects, so that the error is
+        torch's own (a non-bool ``bidirectional``, which torch's constructor lets through)."""
+        return getattr(torch.nn, self.mode).forward(self, input, hx)
 
     def _take_input(self, input: Tensor | PackedSequence) -> Rows:
         """Unpack a PackedSequence, or check a padded input's dims and unsqueeze an unbatched one."""

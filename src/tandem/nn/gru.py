@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, overload
+
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
@@ -38,6 +40,7 @@ class GRU(RNNLayers):
         (torch.Size([29, 8, 128]), torch.Size([4, 8, 64]))
     """
 
+    @overload
     def __init__(
         self,
         input_size: int,
@@ -49,23 +52,23 @@ class GRU(RNNLayers):
         bidirectional: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            "GRU",
-            input_size,
-            hidden_size,
-            num_layers=num_layers,
-            bias=bias,
-            batch_first=batch_first,
-            dropout=dropout,
-            bidirectional=bidirectional,
-            device=device,
-            dtype=dtype,
-        )
+    ) -> None: ...
+
+    @overload
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # torch.nn.GRU's constructor: the arguments reach torch.nn.RNNBase as given, so every one torch
+        # takes is taken the same way, and every wrong one (an unknown keyword included) raises torch's error
+        if "proj_size" in kwargs:
+            raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")  # torch's words
+        super().__init__("GRU", *args, **kwargs)
 
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: Tensor | None = None
     ) -> tuple[Tensor | PackedSequence, Tensor]:
+        if not isinstance(self.bidirectional, bool):
+            return self._torch_forward(input, hx)  # raises torch's error
         num_directions = 2 if self.bidirectional else 1
         rows = self._take_input(input)
         if hx is not None:

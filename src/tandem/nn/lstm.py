@@ -3,6 +3,8 @@ the CPU, where torch.nn.LSTM itself runs oneDNN's fused LSTM, that same primitiv
 
 from __future__ import annotations
 
+from typing import Any, overload
+
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
@@ -43,6 +45,7 @@ class LSTM(RNNLayers):
         (torch.Size([29, 8, 128]), torch.Size([4, 8, 64]), torch.Size([4, 8, 64]))
     """
 
+    @overload
     def __init__(
         self,
         input_size: int,
@@ -55,20 +58,15 @@ class LSTM(RNNLayers):
         proj_size: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            "LSTM",
-            input_size,
-            hidden_size,
-            num_layers=num_layers,
-            bias=bias,
-            batch_first=batch_first,
-            dropout=dropout,
-            bidirectional=bidirectional,
-            proj_size=proj_size,
-            device=device,
-            dtype=dtype,
-        )
+    ) -> None: ...
+
+    @overload
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # torch.nn.LSTM's constructor: the arguments reach torch.nn.RNNBase as given, so every one torch
+        # takes is taken the same way, and every wrong one (an unknown keyword included) raises torch's error
+        super().__init__("LSTM", *args, **kwargs)
 
     def get_expected_cell_size(self, input: Tensor, batch_sizes: Tensor | None) -> tuple[int, int, int]:
         if batch_sizes is not None:
@@ -110,6 +108,8 @@ class LSTM(RNNLayers):
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
+        if not isinstance(self.bidirectional, bool):
+            return self._torch_forward(input, hx)  # raises torch's error
         num_directions = 2 if self.bidirectional else 1
         out_size = self.proj_size if self.proj_size > 0 else self.hidden_size
         rows = self._take_input(input)
