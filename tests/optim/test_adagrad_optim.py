@@ -318,6 +318,46 @@ def test_fused_flag_conflicts_raise_like_torch(kwargs):
         Adagrad(params, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"foreach": True}, {"weight_decay": 0.1, "maximize": True, "lr_decay": 0.1}, {"tol": 1e-3}],
+    ids=["defaults", "foreach", "weight_decay-maximize-lr_decay", "tol"],
+)
+def test_meta_parameters_step_as_torch(options):
+    """Meta tensors (shape inference, deferred initialisation) step without values, as torch's do: the
+    step count is read on the host (it once lived on the meta device, where it cannot be read)."""
+    results = []
+    for cls in (torch.optim.Adagrad, Adagrad):
+        params = [torch.nn.Parameter(torch.empty(3, 4, device="meta")), torch.nn.Parameter(torch.empty(5))]
+        kwargs = {k: v for k, v in options.items() if k != "tol" or cls is Adagrad}
+        opt = cls(params, **kwargs)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        opt.step()
+        results.append([(float(opt.state[p]["step"]), opt.state[p]["sum"].device, p.device) for p in params])
+    assert results[1] == results[0]
+
+
+@pytest.mark.parametrize(
+    "param",
+    [
+        pytest.param(lambda: torch.empty(3, device="meta"), id="meta"),
+        pytest.param(lambda: torch.zeros(3, dtype=torch.complex64), id="complex"),
+    ],
+)
+def test_fused_on_a_device_or_dtype_it_refuses_raises_torchs_error(param):
+    errors = []
+    for cls in (torch.optim.Adagrad, Adagrad):
+        p = torch.nn.Parameter(param())
+        opt = cls([p], fused=True)
+        p.grad = torch.ones_like(p)
+        with pytest.raises(RuntimeError) as raised:
+            opt.step()
+        errors.append(str(raised.value))
+    assert errors[1] == errors[0]
+
+
 def test_nan_and_inf_gradients_behave_as_torch():
     init = [torch.randn(6), torch.randn(2, 3)]
     ps_a = [torch.nn.Parameter(x.clone()) for x in init]

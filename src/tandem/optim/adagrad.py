@@ -10,7 +10,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from tandem._device import to_device
-from tandem.ops.adagrad import adagrad_unchecked
+from tandem.ops.adagrad import adagrad_unchecked, step_device
+
+try:  # torch's check of fused=True, with its message (a private helper: absent, nothing is checked)
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+except ImportError:  # pragma: no cover - other torch versions
+
+    def _device_dtype_check_for_fused(p: Tensor) -> None:
+        pass
+
 
 __all__ = ["Adagrad"]
 
@@ -92,6 +100,8 @@ class Adagrad(Optimizer):
                 raise RuntimeError("`fused` does not support `differentiable`")
             if foreach:
                 raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+            # as torch: step() checks the first parameter with a gradient once, with torch's error
+            self._need_device_dtype_check_for_fused = True
 
         defaults = dict(
             lr=lr,
@@ -123,8 +133,9 @@ class Adagrad(Optimizer):
             init = self.defaults["initial_accumulator_value"]
             if torch.is_complex(p):
                 init = complex(init, init)
-            # float32 on the parameter's device, as torch's fused path keeps it: the kernels read it there.
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            # float32 on the parameter's device, as torch's fused path keeps it: the kernels read it there
+            # (a meta parameter's on the CPU: see step_device).
+            state["step"] = torch.zeros((), dtype=torch.float32, device=step_device(p.device))
             state["sum"] = torch.full_like(p, init, memory_format=torch.preserve_format)
         return state
 
@@ -152,11 +163,11 @@ class Adagrad(Optimizer):
                 p_state = self.state.get(p)
                 if not p_state or "step" not in p_state:
                     continue
-                step = p_state["step"]
+                step, device = p_state["step"], step_device(p.device)
                 if not torch.is_tensor(step):
-                    p_state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
-                elif step.dtype != torch.float32 or step.device != p.device:
-                    p_state["step"] = step.to(dtype=torch.float32, device=p.device)
+                    p_state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+                elif step.dtype != torch.float32 or step.device != device:
+                    p_state["step"] = step.to(dtype=torch.float32, device=device)
         self.__dict__.setdefault("tol", None)
         self.__dict__.setdefault("_converged", None)
         self.__dict__.setdefault("_max_change", None)
@@ -213,6 +224,11 @@ class Adagrad(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if group["fused"] and getattr(self, "_need_device_dtype_check_for_fused", True):
+                    _device_dtype_check_for_fused(p)  # torch's error for a device or dtype fused refuses
+                    self._need_device_dtype_check_for_fused = False
+                if group["fused"] and not self.state[p]:
+                    _device_dtype_check_for_fused(p)  # as torch, for state made at the first step
                 state = self._init_state(p)
                 params.append(p)
                 grads.append(p.grad)

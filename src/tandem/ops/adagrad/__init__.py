@@ -10,7 +10,14 @@ from tandem._device import to_device
 from tandem.ops.adagrad.op import adagrad_step_dispatch
 from tandem.ops.adagrad.reference import adagrad_tensor_ref
 
-__all__ = ["adagrad", "adagrad_unchecked"]
+__all__ = ["adagrad", "adagrad_unchecked", "step_device"]
+
+
+def step_device(device: torch.device) -> torch.device:
+    """Where the step count of a parameter on ``device`` lives: on that device (the kernels read it
+    there), except for meta tensors, which hold no values: their count lives on the CPU, as
+    torch.optim.Adagrad keeps every count without ``fused``."""
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def adagrad(
@@ -33,7 +40,8 @@ def adagrad(
 
     ``params[i]`` (any shape, real or complex) is updated with ``grads[i]`` (dense or sparse COO, same
     shape) and its accumulator ``state_sums[i]`` (same shape and dtype); ``state_steps[i]`` is its step
-    count, a 0-d float32 tensor on the parameter's device, incremented here. Dense tensors are grouped by
+    count, a 0-d float32 tensor on the parameter's device (the CPU for a meta one, see
+    :func:`step_device`), incremented here. Dense tensors are grouped by
     device and dtype and each group is one ``tandem::adagrad_step`` (one Triton launch on GPU, torch's
     fused kernel on CPU); sparse gradients, tensor subclasses and ``differentiable=True`` take the
     per-tensor PyTorch path.
@@ -169,9 +177,9 @@ def _check(i: int, p: Tensor, g: Tensor, s: Tensor, t: Tensor) -> None:
             )
     if s.is_sparse:
         raise ValueError(f"adagrad: expected state_sums[{i}] to be dense, got a sparse tensor")
-    if t.dtype != torch.float32 or t.device != p.device or t.dim() != 0:
+    if t.dtype != torch.float32 or t.device != step_device(p.device) or t.dim() != 0:
         raise ValueError(
-            f"adagrad: expected state_steps[{i}] to be a 0-d float32 tensor on {p.device}, "
+            f"adagrad: expected state_steps[{i}] to be a 0-d float32 tensor on {step_device(p.device)}, "
             f"got {t.dim()}-d {t.dtype} on {t.device}"
         )
 
