@@ -663,3 +663,35 @@ def test_convert_sync_batchnorm_round_trip():
     assert torch.equal(fresh(x), want)
     single = tandem.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3))
     assert type(single) is tandem.nn.SyncBatchNorm
+
+
+# Every way of calling the constructor that torch.nn.SyncBatchNorm takes or refuses: the same module or
+# the same error (type and message).
+CONSTRUCTOR_CALLS = {
+    "all-positional": ((4, 1e-3, 0.2, False, False, None, "cpu", torch.float64), {}),
+    "bias-off": ((4,), dict(bias=False)),
+    "momentum-none": ((4,), dict(momentum=None)),
+    "unknown-keyword": ((4,), dict(foo=1)),
+    "no-arguments": ((), {}),
+    "num_features-zero": ((0,), {}),
+    "num_features-float": ((4.0,), {}),
+    "dtype-int": ((4,), dict(dtype=torch.int64)),
+    "device-meta": ((4,), dict(device="meta")),
+    "eps-negative": ((4,), dict(eps=-1.0)),
+}
+
+
+@pytest.mark.parametrize("call", list(CONSTRUCTOR_CALLS))
+def test_constructor_takes_and_refuses_what_torch_does(call: str):
+    args, kwargs = CONSTRUCTOR_CALLS[call]
+    outcomes = []
+    for cls in (torch.nn.SyncBatchNorm, tandem.nn.SyncBatchNorm):
+        try:
+            module = cls(*args, **kwargs)
+        except Exception as e:
+            outcomes.append((type(e), str(e)))
+        else:
+            outcomes.append(
+                (str(module), [(n, t.shape, t.dtype, t.device) for n, t in module.state_dict().items()])
+            )
+    assert outcomes[1] == outcomes[0]
