@@ -1,8 +1,8 @@
 """The recognizer: DeepSpeech2's shape (Amodei et al. 2016), sized for a CPU.
 
-log-mel ``[B, T, F]`` -> 2-D convolutions over (frequency, time), each stride 2 in frequency and the
-first also in time, each followed by batch norm and a clipped ReLU -> bidirectional recurrent layers (GRU or LSTM) on packed sequences,
-with sequence-wise batch norm on the input of every layer after the first -> a linear layer to the
+log-mel ``[B, T, F]`` -> 2-D convolutions over (frequency, time), each stride 2 in frequency and in time,
+each followed by batch norm and a clipped ReLU -> bidirectional recurrent layers (GRU or LSTM) on packed
+sequences, with sequence-wise batch norm on the input of every layer after the first -> a linear layer to the
 alphabet -> CTC log-probabilities.
 
 Every batch norm sees the real frames only: padding never enters the statistics, and padded frames are
@@ -107,7 +107,9 @@ class DeepSpeech2(nn.Module):
         self.conv_norms = nn.ModuleList()
         for i in range(config.conv_layers):
             stride = (2, config.conv_time_strides[i])
-            conv = nn.Conv2d(1 if i == 0 else channels, channels, (kf, kt), stride, padding=(kf // 2, kt // 2))
+            conv = nn.Conv2d(
+                1 if i == 0 else channels, channels, (kf, kt), stride, padding=(kf // 2, kt // 2)
+            )
             self.convs.append(conv)
             self.conv_norms.append(parts.norm(channels))
             bands = (bands + 1) // 2

@@ -12,17 +12,16 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import tandem
+from tandem.asr.checkpoint import atomic_write
+from tandem.asr.distributed import Group, pick_device
 from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
 from tandem.models import SpeechClassifier
 
@@ -32,17 +31,8 @@ __all__ = ["train"]
 _RUN_KEYS = ("cell", "hidden", "layers", "lr", "batch_size", "seed", "world_size", "data")
 
 
-def _atomic_save(write, path: Path) -> None:
-    """Write through ``write(tmp_path)`` then rename: readers see the old file or the new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _plot(history: list[dict[str, float]], path: Path) -> None:
+def _plot(history: list[dict[str, float]], path: Path) -> bool:
+    """The loss and accuracy curves as a PNG; False (and a note) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -51,7 +41,7 @@ def _plot(history: list[dict[str, float]], path: Path) -> None:
         import matplotlib.ticker
     except ImportError:
         print("tandem train: matplotlib is not installed, no training-curve PNG (pip install tandem[plot])")
-        return
+        return False
     epochs = [h["epoch"] for h in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o")
@@ -64,63 +54,12 @@ def _plot(history: list[dict[str, float]], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.tight_layout()
-    _atomic_save(lambda tmp: fig.savefig(tmp, format="png", dpi=110), path)
+    atomic_write(lambda tmp: fig.savefig(tmp, format="png", dpi=110), path)
     plt.close(fig)
+    return True
 
 
-class _Group:
-    """Rank, world size and the few collectives the loop needs (no-ops when alone)."""
-
-    def __init__(self, device: torch.device, timeout: float) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if self.world > 1:
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-
-    def sum(self, values: list[float], device: torch.device) -> list[float]:
-        if self.world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
-    def leave(self, code: int) -> None:
-        """End a rank of a finished multi-process run at once, without interpreter shutdown.
-
-        Gloo's worker threads release a collective's tensors after the caller has moved on, and in this
-        torch that takes the GIL even while Python still holds the tensor. A worker doing so while the
-        interpreter shuts down is killed inside C++ and aborts the process ("terminate called without an
-        active exception": 3 of 183 runs of tandem train, where the metrics all_reduce is the last
-        collective). In a two-rank script that exits right after an all_reduce: 9 aborts in 120 runs;
-        keeping the tensor alive, 5 in 90; a barrier before leaving did no better in tandem train (1 in 66);
-        leaving this way, none in 120. destroy_process_group does not stop the threads:
-        torch.distributed.nn, imported with torch._dynamo on torch.optim's first use, keeps the default
-        group in its functions' defaults. Everything this rank wrote is closed by now; only the standard
-        streams need flushing.
-        """
-        if self.world > 1:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-
-def _device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise SystemExit("tandem train: error: --device cuda: CUDA is not available")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _evaluate(
-    model, data: SequenceData, group: _Group, device: torch.device, batch: int
-) -> tuple[float, int]:
+def _evaluate(model, data: SequenceData, group: Group, device: torch.device, batch: int) -> tuple[float, int]:
     """(correct, count) of this rank's share of ``data``, summed over ranks."""
     model.eval()
     mine = torch.arange(group.rank, len(data), group.world)
@@ -130,13 +69,13 @@ def _evaluate(
             idx = mine[i : i + batch]
             logits = model(data.features[idx].to(device), data.lengths[idx])
             correct += int((logits.argmax(1).cpu() == data.labels[idx]).sum())
-    total_correct, total = group.sum([correct, len(mine)], device)
+    total_correct, total = group.sum([correct, len(mine)])
     return total_correct, int(total)
 
 
 def train(args: argparse.Namespace) -> int:
-    device = _device(args.device)
-    group = _Group(device, args.timeout)
+    device = pick_device(args.device)
+    group = Group(device, args.timeout)
     try:
         code = _train(args, device, group)
     finally:
@@ -145,7 +84,7 @@ def train(args: argparse.Namespace) -> int:
     return code
 
 
-def _train(args: argparse.Namespace, device: torch.device, group: _Group) -> int:
+def _train(args: argparse.Namespace, device: torch.device, group: Group) -> int:
     # one core per process when the processes share a machine
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world))
     lead = group.rank == 0
@@ -231,7 +170,7 @@ def _train(args: argparse.Namespace, device: torch.device, group: _Group) -> int
             if progress:
                 rate = seen * group.world / (time.perf_counter() - epoch_start)
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{correct / seen:.3f}", seq_s=f"{rate:.0f}")
-        loss_sum, correct, seen = group.sum([loss_sum, correct, seen], device)
+        loss_sum, correct, seen = group.sum([loss_sum, correct, seen])
         test_correct, test_total = _evaluate(wrapped, test_set, group, device, 256)
         epoch_seconds = time.perf_counter() - epoch_start
         record = {
@@ -262,7 +201,7 @@ def _train(args: argparse.Namespace, device: torch.device, group: _Group) -> int
                 "config": run_config,
                 "train_seconds": seconds_before + time.perf_counter() - started,
             }
-            _atomic_save(lambda tmp, state=state: torch.save(state, tmp), checkpoint_path)
+            atomic_write(lambda tmp, state=state: torch.save(state, tmp), checkpoint_path)
 
     if lead:
         train_seconds = seconds_before + time.perf_counter() - started
@@ -281,14 +220,15 @@ def _train(args: argparse.Namespace, device: torch.device, group: _Group) -> int
             "torch_version": torch.__version__,
         }
         text = json.dumps(metrics, indent=2)
-        _atomic_save(lambda tmp: tmp.write_text(text + "\n"), args.out / "metrics.json")
-        if history:
-            _plot(history, args.out / "training_curve.png")
+        written = ["checkpoint.pt"] if checkpoint_path.exists() else []
+        atomic_write(lambda tmp: tmp.write_text(text + "\n"), args.out / "metrics.json")
+        written.append("metrics.json")
+        if history and _plot(history, args.out / "training_curve.png"):
+            written.append("training_curve.png")
+        accuracy = f"{metrics['test_accuracy']:.4f}" if history else "n/a"
         print(
-            f"done: test accuracy {metrics['test_accuracy']:.4f} after {len(history)} epochs, "
-            f"{train_seconds:.1f} s of training; wrote metrics.json, training_curve.png and "
-            f"checkpoint.pt to {args.out}",
-            file=sys.stdout,
+            f"done: test accuracy {accuracy} after {len(history)} epochs, {train_seconds:.1f} s of "
+            f"training; wrote {', '.join(written)} to {args.out}",
             flush=True,
         )
     return 0

@@ -1,4 +1,5 @@
-"""``tandem train``: a speech model on the bundled Japanese Vowels data (or ``--data``), data-parallel.
+"""``tandem train``: a DeepSpeech-style speech recognizer on the bundled spoken digits (the default), or
+the Japanese Vowels speaker classifier (``--task classify``), data-parallel.
 
 ``--nproc N`` starts N processes through torchrun (``torch.distributed.run``): Gloo on CPUs, NCCL on
 GPUs. Inside torchrun (``WORLD_SIZE`` set) this command is the worker itself, so multi-node runs are
@@ -7,8 +8,9 @@ GPUs. Inside torchrun (``WORLD_SIZE`` set) this command is the worker itself, so
 
 Example::
 
-    tandem train --epochs 20 --out runs/jv
-    tandem train --resume --epochs 30 --out runs/jv      # continue the same run
+    tandem train --out runs/asr                          # speech recognition, 2 processes
+    tandem train --out runs/asr --epochs 40 --resume     # continue the same run
+    tandem train --task classify --out runs/jv           # the Japanese Vowels classifier
 """
 
 from __future__ import annotations
@@ -22,51 +24,83 @@ from pathlib import Path
 
 from tandem.cli._args import positive_float, positive_int
 
-__all__ = ["DESCRIPTION", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "DEFAULTS"]
 
 DESCRIPTION = (
-    "Train a DeepSpeech-style classifier (SyncBatchNorm, bidirectional GRU/LSTM, Adagrad, data parallel) "
-    "on the bundled Japanese Vowels speaker data or your own --data file; writes metrics.json, a "
-    "training-curve PNG and a checkpoint to --out."
+    "Train a DeepSpeech-style CTC speech recognizer (convolutions, bidirectional GRU/LSTM, SyncBatchNorm, "
+    "Adagrad, data parallel) on the bundled spoken digits, or (--task classify) a speaker classifier on "
+    "Japanese Vowels or your own --data file; writes metrics.json, a training-curve PNG and a checkpoint "
+    "to --out."
 )
+
+# Options whose default depends on the task (None on the command line means "the task's default").
+DEFAULTS = {
+    "asr": {"hidden": 128, "layers": 3, "epochs": 32, "lr": 0.05, "batch_size": 32, "out": Path("runs/asr")},
+    "classify": {
+        "hidden": 64,
+        "layers": 2,
+        "epochs": 20,
+        "lr": 0.05,
+        "batch_size": 32,
+        "out": Path("runs/train"),
+    },
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tandem train``."""
     parser.add_argument(
+        "--task",
+        choices=("asr", "classify"),
+        default="asr",
+        help="asr: speech recognition on the bundled spoken digits (default); classify: Japanese Vowels",
+    )
+    parser.add_argument(
         "--cell", choices=("gru", "lstm"), default="gru", help="recurrent cell (default: gru)"
     )
     parser.add_argument(
-        "--hidden", type=positive_int, default=64, help="hidden size per direction (default: 64)"
+        "--hidden", type=positive_int, help="hidden size per direction (default: asr 128, classify 64)"
     )
-    parser.add_argument("--layers", type=positive_int, default=2, help="recurrent layers (default: 2)")
-    parser.add_argument("--epochs", type=positive_int, default=20, help="epochs in total (default: 20)")
+    parser.add_argument("--layers", type=positive_int, help="recurrent layers (default: asr 3, classify 2)")
+    parser.add_argument("--epochs", type=positive_int, help="epochs in total (default: asr 32, classify 20)")
+    parser.add_argument("--lr", type=positive_float, help="Adagrad learning rate (default: 0.05)")
     parser.add_argument(
-        "--lr", type=positive_float, default=0.05, help="Adagrad learning rate (default: 0.05)"
-    )
-    parser.add_argument(
-        "--batch-size", type=positive_int, default=32, help="global batch, split over processes (default: 32)"
+        "--batch-size", type=positive_int, help="global batch, split over processes (default: 32)"
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument(
-        "--out", type=Path, default=Path("runs/train"), help="output folder (default: runs/train)"
-    )
+    parser.add_argument("--out", type=Path, help="output folder (default: runs/asr, classify runs/train)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    parser.add_argument(
+    asr = parser.add_argument_group("speech recognition (--task asr)")
+    asr.add_argument(
+        "--test-speaker",
+        default=None,
+        help="hold this speaker out as the test set and train on the other five (default: the customary "
+        "split, takes 0-4 of every speaker)",
+    )
+    asr.add_argument("--no-augment", action="store_true", help="no speed, noise or SpecAugment perturbation")
+    asr.add_argument(
+        "--warmup-steps", type=int, default=50, help="steps of linear learning-rate warm-up (default: 50)"
+    )
+    asr.add_argument(
+        "--conv-channels", type=positive_int, default=16, help="channels of the convolutions (default: 16)"
+    )
+    classify = parser.add_argument_group("classification (--task classify)")
+    classify.add_argument(
         "--data",
         type=Path,
         default=None,
         help="a .npz with features [N,T,F], lengths [N], labels [N], optional split [N] (see tandem.data)",
     )
-    parser.add_argument(
+    launch = parser.add_argument_group("processes")
+    launch.add_argument(
         "--nproc", type=positive_int, default=2, help="data-parallel processes on this machine (default: 2)"
     )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
-    parser.add_argument("--nnodes", type=positive_int, default=1, help="torchrun: machines (default: 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="torchrun: this machine's rank")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="torchrun: rank 0's address")
-    parser.add_argument("--master-port", type=positive_int, default=29500, help="torchrun: rank 0's port")
-    parser.add_argument(
+    launch.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
+    launch.add_argument("--nnodes", type=positive_int, default=1, help="torchrun: machines (default: 1)")
+    launch.add_argument("--node-rank", type=int, default=0, help="torchrun: this machine's rank")
+    launch.add_argument("--master-addr", default="127.0.0.1", help="torchrun: rank 0's address")
+    launch.add_argument("--master-port", type=positive_int, default=29500, help="torchrun: rank 0's port")
+    launch.add_argument(
         "--timeout", type=positive_float, default=60.0, help="collective timeout, s (default: 60)"
     )
 
@@ -90,6 +124,82 @@ def _check_out(out: Path, resume: bool) -> str | None:
     if resume and not (out / "checkpoint.pt").is_file():
         return f"--resume: expected a checkpoint at {out / 'checkpoint.pt'}, found none"
     return None
+
+
+def _check_resume(args: argparse.Namespace) -> str | None:
+    """Why ``--resume`` cannot continue from the checkpoint in ``--out`` exactly, or None (speech task)."""
+    if not args.resume or args.task != "asr":
+        return None
+    from tandem.asr.checkpoint import CheckpointError, load_checkpoint
+    from tandem.asr.training import resume_mismatch
+
+    try:
+        state = load_checkpoint(args.out / "checkpoint.pt")
+    except CheckpointError as e:
+        return f"--resume: {e}"
+    return resume_mismatch(asr_config(args), args.nproc * args.nnodes, state)
+
+
+def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    for key, value in DEFAULTS[args.task].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def _check_task_options(args: argparse.Namespace) -> str | None:
+    """Why the options do not fit the task, or None (checked before anything is written)."""
+    if args.task == "asr":
+        if args.data is not None:
+            return "--data: only for --task classify (speech recognition trains on the bundled recordings)"
+        if args.test_speaker is not None:
+            from tandem.asr.corpus import load_spoken_digits
+
+            speakers = load_spoken_digits().speakers
+            if args.test_speaker not in speakers:
+                return f"--test-speaker: expected one of {', '.join(speakers)}, got {args.test_speaker!r}"
+        if args.warmup_steps < 0:
+            return f"--warmup-steps: expected a number >= 0, got {args.warmup_steps}"
+        return None
+    from tandem.data import JAPANESE_VOWELS, load_npz
+
+    if args.test_speaker is not None:
+        return "--test-speaker: only for --task asr"
+    try:
+        load_npz(args.data or JAPANESE_VOWELS)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def asr_config(args: argparse.Namespace):
+    """The :class:`tandem.asr.training.TrainConfig` of ``tandem train --task asr`` options."""
+    from tandem.asr.model import ModelConfig
+    from tandem.asr.training import TrainConfig
+
+    return TrainConfig(
+        model=ModelConfig(
+            cell=args.cell, hidden=args.hidden, layers=args.layers, conv_channels=args.conv_channels
+        ),
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        test_speaker=args.test_speaker,
+        augment=not args.no_augment,
+    )
+
+
+def _work(args: argparse.Namespace) -> int:
+    """Train in this process (one rank of torchrun's group, or the only process)."""
+    if args.task == "asr":
+        from tandem.asr.training import train
+
+        return train(asr_config(args), args.out, resume=args.resume, device=args.device, timeout=args.timeout)
+    from tandem.cli._train_worker import train
+
+    return train(args)
 
 
 # Options only the launcher reads; the workers learn their world from torchrun's environment.
@@ -119,28 +229,22 @@ def _train_parser_actions() -> list[argparse.Action]:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Validate everything, then train here (under torchrun, or one process) or launch torchrun."""
-    from tandem.data import JAPANESE_VOWELS, load_npz
-
+    args = _with_defaults(args)
     if "WORLD_SIZE" in os.environ:  # we are a torchrun worker: the launcher validated the arguments
-        from tandem.cli._train_worker import train
-
-        return train(args)
+        return _work(args)
 
     # Everything a run could trip on is checked before anything is written or launched.
-    try:
-        load_npz(args.data or JAPANESE_VOWELS)
-    except ValueError as e:
-        return _fail(parser, str(e))
+    problem = _check_task_options(args)
+    if problem:
+        return _fail(parser, problem)
     if not 0 <= args.node_rank < args.nnodes:
         return _fail(parser, f"--node-rank: expected a value in [0, {args.nnodes - 1}], got {args.node_rank}")
-    problem = _check_out(args.out, args.resume)
+    problem = _check_out(args.out, args.resume) or _check_resume(args)
     if problem:
         return _fail(parser, problem)
 
     if args.nproc == 1 and args.nnodes == 1:
-        from tandem.cli._train_worker import train
-
-        return train(args)
+        return _work(args)
 
     if args.nnodes == 1:
         rendezvous = ["--standalone"]

@@ -1,0 +1,405 @@
+"""Training a recognizer: one process of the data-parallel group (or the only one).
+
+Every random choice depends only on the seed, the epoch and the utterance: the epoch's utterances and
+their augmentation, the order of the batches, each rank's share. Each rank computes its share of every
+global batch; tandem's SyncBatchNorm normalises over the whole global batch and its
+DistributedDataParallel averages the gradients, and the loss is scaled so that the average is the global
+batch's mean: N processes compute what one process computes on the concatenated batch. A resumed run
+therefore ends with the weights of an uninterrupted one (same seed and number of processes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import tandem
+from tandem.asr.augment import Augmentation
+from tandem.asr.batch import collate
+from tandem.asr.checkpoint import CheckpointError, atomic_write, load_checkpoint, save_checkpoint
+from tandem.asr.corpus import Recordings, load_spoken_digits
+from tandem.asr.decode import greedy_decode
+from tandem.asr.distributed import Group, pick_device
+from tandem.asr.features import FeatureConfig, LogMel
+from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
+from tandem.asr.metrics import ErrorRates, error_rates
+from tandem.asr.model import TORCH_PARTS, DeepSpeech2, ModelConfig
+from tandem.asr.text import ENGLISH, Alphabet
+
+__all__ = ["TrainConfig", "Run", "train", "resume_mismatch", "TEST_SEED"]
+
+TEST_SEED = 20240502  # the test set's plan: fixed, so that every run is scored on the same utterances
+TEST_PASSES = 2  # each test recording appears in two test utterances: 600 words on the customary split
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A training run's settings (what a resume must agree on is in :meth:`resume_keys`)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+    epochs: int = 32
+    batch_size: int = 32
+    lr: float = 0.05
+    warmup_steps: int = 50
+    seed: int = 0
+    test_speaker: str | None = None
+    augment: bool = True
+    alphabet: str = ENGLISH.characters
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def resume_keys(self) -> dict[str, Any]:
+        """Everything but the number of epochs: a resume may extend a run, nothing else."""
+        return {k: v for k, v in self.to_dict().items() if k != "epochs"}
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"hidden": 96}}`` as ``{"model.hidden": 96}``, tuples as lists (as stored)."""
+    out: dict[str, Any] = {}
+    for k, v in json.loads(json.dumps(d)).items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_mismatch(config: TrainConfig, world_size: int, state: dict[str, Any]) -> str | None:
+    """Why a run of ``config`` on ``world_size`` processes cannot resume exactly from the checkpoint
+    ``state`` (every setting but the number of epochs must agree), or None."""
+    ours = _flat(config.resume_keys())
+    theirs = _flat({k: v for k, v in state.get("train_config", {}).items() if k != "epochs"})
+    differ = [f"{k}: checkpoint {theirs.get(k)!r}, now {v!r}" for k, v in ours.items() if theirs.get(k) != v]
+    if state.get("world_size") != world_size:
+        differ.append(f"processes: checkpoint {state.get('world_size')}, now {world_size}")
+    if differ:
+        return f"--resume: the run's settings differ from the checkpoint's ({'; '.join(differ)})"
+    return None
+
+
+def _batches(plan: list[Utterance], size: int, world: int, rng: np.random.Generator) -> list[list[Utterance]]:
+    """Global batches of utterances of similar length (little padding, short time loops), in random order;
+    a batch too small to give every rank an utterance is dropped."""
+    by_length = sorted(plan, key=lambda u: u.length)
+    batches = [by_length[i : i + size] for i in range(0, len(by_length), size)]
+    batches = [b for b in batches if len(b) >= world]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def _share(batch: list[Utterance], rank: int, world: int) -> list[Utterance]:
+    """This rank's part of a global batch: dealt by length, so every rank gets as much audio."""
+    return sorted(batch, key=lambda u: u.length)[rank::world]
+
+
+STACKS = ("tandem", "torch")
+
+
+class Run:
+    """One rank's training run: data, model, optimizer, schedule, steps, evaluation and checkpoint state.
+
+    ``stack`` picks the parts: ``"tandem"`` (tandem.nn.GRU/LSTM, SyncBatchNorm, tandem.optim.Adagrad,
+    tandem.parallel.DistributedDataParallel) or ``"torch"``, the same model from torch's parts for the
+    side-by-side benchmark (torch.nn.GRU/LSTM, BatchNorm1d, whose statistics stay per process, as
+    torch.nn.SyncBatchNorm refuses CPU tensors; torch.optim.Adagrad, fused on the CPU; torch's DDP).
+    """
+
+    def __init__(
+        self, config: TrainConfig, group: Group, recordings: Recordings, stack: str = "tandem"
+    ) -> None:
+        if stack not in STACKS:
+            raise ValueError(f"Run: expected stack in {STACKS}, got {stack!r}")
+        self.config, self.group = config, group
+        self.device = group.device
+        self.alphabet = Alphabet(config.alphabet)
+        train_ids, test_ids = split_recordings(recordings, config.test_speaker)
+        self.train_set = ConnectedDigits(recordings, train_ids)
+        self.test_set = ConnectedDigits(recordings, test_ids)
+        self.test_plan = sorted(self.test_set.plan(TEST_SEED, passes=TEST_PASSES), key=lambda u: u.length)
+        self.logmel = LogMel(config.features)
+        self.augmentation = Augmentation() if config.augment else None
+
+        torch.manual_seed(config.seed)
+        if stack == "tandem":
+            self.model = DeepSpeech2(config.model).to(self.device)
+            ddp = tandem.parallel.DistributedDataParallel
+            self.optimizer = tandem.optim.Adagrad(self.model.parameters(), lr=config.lr)
+        else:
+            self.model = DeepSpeech2(config.model, TORCH_PARTS).to(self.device)
+            ddp = torch.nn.parallel.DistributedDataParallel
+            fused = {"fused": True} if self.device.type == "cpu" else {"foreach": True}
+            self.optimizer = torch.optim.Adagrad(self.model.parameters(), lr=config.lr, **fused)
+        self.wrapped = ddp(self.model) if group.world > 1 else self.model
+        self.ctc = torch.nn.CTCLoss(blank=0, reduction="none", zero_infinity=True)
+        self.epoch = self.step = 0
+        # steps of the whole run: every epoch has (nearly) as many batches as the first
+        first = _batches(
+            self.train_set.plan((config.seed, 0)), config.batch_size, group.world, np.random.default_rng(0)
+        )
+        self.total_steps = config.epochs * len(first)
+        self.history: list[dict[str, Any]] = []
+        self.seconds_before = 0.0
+
+    # ---- checkpoints
+    def state(self) -> dict[str, Any]:
+        return {
+            "model_config": self.config.model.to_dict(),
+            "feature_config": self.config.features.to_dict(),
+            "alphabet": self.alphabet.characters,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "train_config": self.config.to_dict(),
+            "world_size": self.group.world,
+            "epoch": self.epoch,
+            "step": self.step,
+            "history": self.history,
+            "train_seconds": self.seconds_before,
+        }
+
+    def restore(self, path: Path) -> None:
+        state = load_checkpoint(path, map_location=self.device)
+        problem = resume_mismatch(self.config, self.group.world, state)
+        if problem:
+            raise CheckpointError(problem)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.history, self.seconds_before = state["history"], state["train_seconds"]
+
+    # ---- steps
+    def learning_rate(self) -> float:
+        """The schedule: linear warm-up from a tenth of ``lr`` over ``warmup_steps`` steps, then a cosine
+        decay to ``lr / 50`` at the last step (Adagrad shrinks its steps too, but only where gradients
+        were large; the decay settles the final weights everywhere)."""
+        cfg, step = self.config, self.step
+        if step < cfg.warmup_steps:
+            return cfg.lr * (0.1 + 0.9 * step / cfg.warmup_steps)
+        span = max(1, self.total_steps - cfg.warmup_steps)
+        done = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * done)))
+
+    def train_step(self, global_batch: list[Utterance]) -> tuple[float, int]:
+        """One optimizer step on this rank's share; returns (the share's summed per-utterance loss, count)."""
+        mine = _share(global_batch, self.group.rank, self.group.world)
+        batch = collate(
+            [self.train_set.render(u) for u in mine],
+            [u.transcript for u in mine],
+            self.logmel,
+            self.alphabet,
+            self.augmentation,
+            [u.seed for u in mine],
+        )
+        log_probs, out_frames = self.wrapped(batch.features.to(self.device), batch.frames)
+        losses = self.ctc(log_probs, batch.targets.to(self.device), out_frames, batch.target_lengths)
+        losses = losses / batch.target_lengths.to(losses)  # CTCLoss's "mean", per utterance
+        # DDP averages over ranks: scaled so that the gradient is the global batch's mean
+        loss = losses.sum() * (self.group.world / len(global_batch))
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.learning_rate()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.step += 1
+        return float(losses.detach().sum()), len(mine)
+
+    def train_epoch(self, progress: bool = False) -> tuple[float, int]:
+        """The next epoch's steps; returns the summed per-utterance loss and utterances of all ranks."""
+        cfg = self.config
+        plan = self.train_set.plan((cfg.seed, self.epoch))
+        batches = _batches(
+            plan, cfg.batch_size, self.group.world, np.random.default_rng((cfg.seed, self.epoch, 1))
+        )
+        bar = tqdm(
+            batches,
+            desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
+            unit="batch",
+            leave=False,
+            disable=not progress,
+        )
+        loss_sum = count = 0.0
+        for global_batch in bar:
+            loss, n = self.train_step(global_batch)
+            loss_sum, count = loss_sum + loss, count + n
+            bar.set_postfix(loss=f"{loss / max(n, 1):.3f}", lr=f"{self.learning_rate():.3g}")
+        loss_sum, count = self.group.sum([loss_sum, count])
+        self.epoch += 1
+        return loss_sum, int(count)
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 48) -> tuple[ErrorRates, list[tuple[str, str]]]:
+        """Error rates over the whole test set (summed over ranks) and a few (reference, hypothesis)."""
+        self.wrapped.eval()
+        mine = self.test_plan[self.group.rank :: self.group.world]
+        refs, hyps = [], []
+        for i in range(0, len(mine), batch_size):
+            part = mine[i : i + batch_size]
+            batch = collate(
+                [self.test_set.render(u) for u in part],
+                [u.transcript for u in part],
+                self.logmel,
+                self.alphabet,
+            )
+            log_probs, out_frames = self.wrapped(batch.features.to(self.device), batch.frames)
+            refs += batch.transcripts
+            hyps += greedy_decode(log_probs, out_frames, self.alphabet)
+        self.wrapped.train()
+        rates = ErrorRates(*(int(v) for v in self.group.sum(list(error_rates(refs, hyps).as_tuple()))))
+        return rates, list(zip(refs, hyps))[:: max(1, len(refs) // 4)][:4]
+
+
+def _plot(history: list[dict[str, Any]], path: Path) -> bool:
+    """Loss and error-rate curves as a PNG; False (and a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print(
+            "tandem train: matplotlib is not installed, so no training-curve PNG (pip install tandem[plot])"
+        )
+        return False
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_err) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o")
+    ax_loss.set(xlabel="epoch", ylabel="CTC loss per character", title="training loss", yscale="log")
+    ax_err.plot(epochs, [100 * h["test_wer"] for h in history], marker="o", label="WER")
+    ax_err.plot(epochs, [100 * h["test_cer"] for h in history], marker="s", label="CER")
+    ax_err.set(xlabel="epoch", ylabel="%", title="test error rates", yscale="log")
+    ax_err.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax_err.legend()
+    for ax in (ax_loss, ax_err):
+        ax.grid(alpha=0.3, which="both")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    atomic_write(lambda tmp: fig.savefig(tmp, format="png", dpi=110), path)
+    plt.close(fig)
+    return True
+
+
+def train(
+    config: TrainConfig, out: Path, *, resume: bool = False, device: str = "auto", timeout: float = 60.0
+) -> int:
+    """Train (this rank's part of) a recognizer; writes ``checkpoint.pt`` after every epoch and
+    ``metrics.json`` and ``training_curve.png`` at the end (rank 0). Returns the exit status."""
+    group = Group(pick_device(device), timeout)
+    try:
+        code = _train(config, Path(out), resume, group)
+    finally:
+        group.close()
+    group.leave(code)
+    return code
+
+
+def _train(config: TrainConfig, out: Path, resume: bool, group: Group) -> int:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world))
+    run = Run(config, group, load_spoken_digits())
+    checkpoint = out / "checkpoint.pt"
+    if resume:
+        try:
+            run.restore(checkpoint)
+        except CheckpointError as e:
+            if group.lead:
+                print(f"tandem train: error: {e}", file=sys.stderr)
+            return 2
+    lead = group.lead
+    cfg = config.model
+    if lead:
+        n_params = sum(p.numel() for p in run.model.parameters())
+        print(
+            f"tandem train: speech recognition, {cfg.conv_layers} conv + {cfg.layers} bidirectional "
+            f"{cfg.cell.upper()} x {cfg.hidden} ({n_params / 1e6:.2f} M parameters); "
+            f"{len(run.train_set.ids)} training recordings, {len(run.test_plan)} test utterances "
+            f"({'speaker ' + config.test_speaker + ' held out' if config.test_speaker else 'takes 0-4'}); "
+            f"{group.world} process(es) on {group.device}, global batch {config.batch_size}, "
+            f"Adagrad lr {config.lr}" + (f"; resuming after epoch {run.epoch}" if run.epoch else ""),
+            flush=True,
+        )
+    started = time.perf_counter()
+    while run.epoch < config.epochs:
+        epoch_start = time.perf_counter()
+        loss_sum, count = run.train_epoch(progress=lead)
+        train_seconds = time.perf_counter() - epoch_start
+        rates, examples = run.evaluate()
+        record = {
+            "epoch": run.epoch,
+            "step": run.step,
+            "train_loss": loss_sum / count,
+            "test_wer": rates.wer,
+            "test_cer": rates.cer,
+            "test_accuracy": rates.accuracy,
+            "seconds": time.perf_counter() - epoch_start,
+            "train_seconds": train_seconds,
+            "utterances": int(count),
+        }
+        run.history.append(record)
+        run.seconds_before += time.perf_counter() - epoch_start
+        if not math.isfinite(record["train_loss"]):
+            if lead:
+                print(
+                    f"tandem train: error: the loss became {record['train_loss']} in epoch {run.epoch}",
+                    file=sys.stderr,
+                )
+            return 1
+        if lead:
+            print(
+                f"epoch {run.epoch}/{config.epochs}: loss {record['train_loss']:.4f}, "
+                f"test WER {100 * rates.wer:.2f}% CER {100 * rates.cer:.2f}% "
+                f"({rates.word_edits}/{rates.words} words), {record['seconds']:.1f} s"
+                f"  e.g. {examples[0][0]!r} -> {examples[0][1]!r}",
+                flush=True,
+            )
+            save_checkpoint(run.state(), checkpoint)
+
+    # ru_maxrss is in KiB on Linux; the largest of the ranks'
+    (peak_rss,) = group.max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
+    if not lead:
+        return 0
+    written = ["checkpoint.pt"] if checkpoint.exists() else []
+    final = run.history[-1] if run.history else {}
+    metrics = {
+        "task": "asr",
+        "test_wer": final.get("test_wer"),
+        "test_cer": final.get("test_cer"),
+        "test_accuracy": final.get("test_accuracy"),
+        "train_loss": final.get("train_loss"),
+        "train_seconds": run.seconds_before,
+        "epochs": len(run.history),
+        "steps": run.step,
+        "world_size": group.world,
+        "peak_rss_mib": round(peak_rss, 1),
+        "device": str(group.device),
+        "config": config.to_dict(),
+        "history": run.history,
+        "tandem_version": tandem.__version__,
+        "torch_version": torch.__version__,
+    }
+    text = json.dumps(metrics, indent=2)
+    atomic_write(lambda tmp: tmp.write_text(text + "\n"), out / "metrics.json")
+    written.append("metrics.json")
+    if run.history and _plot(run.history, out / "training_curve.png"):
+        written.append("training_curve.png")
+    wer = (
+        f"test WER {100 * final['test_wer']:.2f}%, CER {100 * final['test_cer']:.2f}%"
+        if final
+        else "no epochs run"
+    )
+    print(
+        f"done: {wer} after {len(run.history)} epochs, {run.seconds_before:.1f} s of training "
+        f"({time.perf_counter() - started:.1f} s in this launch); wrote {', '.join(written)} to {out}",
+        flush=True,
+    )
+    return 0
