@@ -21,6 +21,27 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _attempt_store(rank: int, world: int, timeout: float) -> dict:
+    """``init_process_group`` arguments that give each torchrun restart its own keys in the agent's store.
+
+    torchrun's agent keeps one TCPStore for the whole launch and hands it to every attempt's workers; the
+    process groups of an attempt find each other's addresses there under the same keys as the attempt
+    before, so a restarted rank could read a dead rank's address and retry connecting to it until the
+    timeout (seen with Gloo: 'failed to connect ... Connection refused' after a worker was killed).
+    A prefix per attempt keeps them apart. Outside torchrun's agent store: torch's own env:// set-up."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"tandem/attempt_{attempt}", store), "rank": rank, "world_size": world}
+
+
 class Group:
     """Rank, world size and the few collectives a training loop needs (no-ops when alone).
 
@@ -35,7 +56,9 @@ class Group:
         self.device = device
         if self.world > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            dist.init_process_group(
+                backend, timeout=timedelta(seconds=timeout), **_attempt_store(self.rank, self.world, timeout)
+            )
 
     @property
     def lead(self) -> bool:
