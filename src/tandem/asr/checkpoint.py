@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +13,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "atomic_write", "save_checkpoint", "load_checkpoint"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "CheckpointError",
+    "CheckpointStore",
+    "atomic_write",
+    "save_checkpoint",
+    "load_checkpoint",
+]
 
 FORMAT = "tandem.asr.recognizer"
 VERSION = 1
@@ -33,8 +42,23 @@ def atomic_write(write: Callable[[Path], Any], path: Path) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a crash after it cannot bring the old name back)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename itself is still atomic
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
@@ -56,7 +80,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = str(e).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__  # torch's first sentence
         raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt?): {first}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(
@@ -72,3 +97,78 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if missing:
         raise CheckpointError(f"{path}: incomplete checkpoint, missing {missing}")
     return state
+
+
+class CheckpointStore:
+    """The checkpoints of a training run in ``folder``, rotated.
+
+    Each save writes ``checkpoint-<step>.pt`` atomically, then points ``checkpoint.pt`` (the name users and
+    ``tandem transcribe`` know) at it with an atomic rename of a hard link (a copy where links are not
+    possible), and only then deletes the oldest numbered checkpoints beyond ``keep``: at every moment the
+    folder holds a complete newest checkpoint. :meth:`latest` reads ``checkpoint.pt`` and, if that is
+    unreadable (truncated, corrupt), the numbered ones from the newest down, and says which it skipped.
+
+    Example::
+
+        >>> store = CheckpointStore(Path("runs/asr"), keep=2)
+        >>> store.save(state, step=120)          # runs/asr/checkpoint-00000120.pt and checkpoint.pt
+        >>> state, path, skipped = store.latest()
+    """
+
+    NAME = "checkpoint.pt"
+
+    def __init__(self, folder: Path, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"CheckpointStore: expected keep >= 1, got {keep}")
+        self.folder, self.keep = Path(folder), keep
+
+    @property
+    def path(self) -> Path:
+        return self.folder / self.NAME
+
+    def numbered(self) -> list[Path]:
+        """The numbered checkpoints, oldest first (by step, then by name)."""
+
+        def step(p: Path) -> int:
+            digits = p.stem.removeprefix("checkpoint-")
+            return int(digits) if digits.isdigit() else -1
+
+        return sorted((p for p in self.folder.glob("checkpoint-*.pt") if step(p) >= 0), key=step)
+
+    def save(self, state: dict[str, Any], step: int) -> Path:
+        """Write ``state`` as the newest checkpoint (see the class docstring); returns its numbered path."""
+        target = self.folder / f"checkpoint-{step:08d}.pt"
+        save_checkpoint(state, target)
+        link = self.folder / f".{self.NAME}.link-{os.getpid()}"
+        link.unlink(missing_ok=True)
+        try:
+            os.link(target, link)
+        except OSError:
+            shutil.copyfile(target, link)
+        os.replace(link, self.path)
+        _fsync_dir(self.folder)
+        for old in self.numbered()[: -self.keep]:
+            if old != target:
+                old.unlink(missing_ok=True)
+        return target
+
+    def clear(self) -> None:
+        """Remove every checkpoint of an earlier run in the folder (a fresh run starts here)."""
+        for p in [*self.numbered(), self.path]:
+            p.unlink(missing_ok=True)
+
+    def latest(
+        self, map_location: str | torch.device = "cpu"
+    ) -> tuple[dict[str, Any] | None, Path | None, list[str]]:
+        """(state, its path, problems of the newer files skipped), or (None, None, problems) when no
+        checkpoint in the folder can be read."""
+        skipped: list[str] = []
+        candidates = [self.path] + list(reversed(self.numbered()))
+        for path in dict.fromkeys(candidates):
+            if not path.exists():
+                continue
+            try:
+                return load_checkpoint(path, map_location), path, skipped
+            except CheckpointError as e:
+                skipped.append(str(e))
+        return None, None, skipped
