@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import resource
 import sys
 import time
@@ -27,17 +28,18 @@ from tqdm import tqdm
 import tandem
 from tandem.asr.augment import Augmentation
 from tandem.asr.batch import collate
-from tandem.asr.checkpoint import CheckpointError, atomic_write, load_checkpoint, save_checkpoint
+from tandem.asr.checkpoint import CheckpointError, CheckpointStore, atomic_write
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
 from tandem.asr.distributed import Group, pick_device
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
+from tandem.asr.interrupt import StopRequests, die_with_parent
 from tandem.asr.metrics import ErrorRates, error_rates
 from tandem.asr.model import TORCH_PARTS, DeepSpeech2, ModelConfig
 from tandem.asr.text import ENGLISH, Alphabet
 
-__all__ = ["TrainConfig", "Run", "train", "resume_mismatch", "TEST_SEED"]
+__all__ = ["TrainConfig", "Checkpointing", "Run", "train", "resume_mismatch", "TEST_SEED", "EXIT_STOPPED"]
 
 TEST_SEED = 20240502  # the test set's plan: fixed, so that every run is scored on the same utterances
 TEST_PASSES = 2  # each test recording appears in two test utterances: 600 words on the customary split
@@ -64,6 +66,28 @@ class TrainConfig:
     def resume_keys(self) -> dict[str, Any]:
         """Everything but the number of epochs: a resume may extend a run, nothing else."""
         return {k: v for k, v in self.to_dict().items() if k != "epochs"}
+
+
+def _rng_state() -> dict[str, Any]:
+    """Python's, numpy's and torch's global generators (the run derives its own draws from the seed, but
+    code around it may use these), in types a ``weights_only`` checkpoint can hold."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": {**np_state, "state": {k: np.asarray(v).tolist() for k, v in np_state["state"].items()}},
+        "torch": torch.get_rng_state(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = dict(state["numpy"])
+    np_state["state"] = {
+        k: np.asarray(v, dtype=np.uint32) if k == "key" else v for k, v in np_state["state"].items()
+    }
+    np.random.set_state(np_state)
+    torch.set_rng_state(state["torch"])
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -143,17 +167,18 @@ class Run:
             self.optimizer = torch.optim.Adagrad(self.model.parameters(), lr=config.lr, **fused)
         self.wrapped = ddp(self.model) if group.world > 1 else self.model
         self.ctc = torch.nn.CTCLoss(blank=0, reduction="none", zero_infinity=True)
-        self.epoch = self.step = 0
+        # where the run is: epoch, batches done in it, optimizer steps, and the epoch's loss so far (the
+        # sum over ranks of every step's, in step order, so a resumed epoch adds up to the same float)
+        self.epoch = self.position = self.step = 0
+        self.epoch_loss = self.epoch_count = 0.0
         # steps of the whole run: every epoch has (nearly) as many batches as the first
-        first = _batches(
-            self.train_set.plan((config.seed, 0)), config.batch_size, group.world, np.random.default_rng(0)
-        )
-        self.total_steps = config.epochs * len(first)
+        self.total_steps = config.epochs * len(self.batches_of(0))
         self.history: list[dict[str, Any]] = []
         self.seconds_before = 0.0
 
     # ---- checkpoints
     def state(self) -> dict[str, Any]:
+        """Everything to rebuild the recognizer and to continue this run exactly where it is."""
         return {
             "model_config": self.config.model.to_dict(),
             "feature_config": self.config.features.to_dict(),
@@ -163,20 +188,34 @@ class Run:
             "train_config": self.config.to_dict(),
             "world_size": self.group.world,
             "epoch": self.epoch,
+            "position": self.position,
             "step": self.step,
+            "epoch_loss": self.epoch_loss,
+            "epoch_count": self.epoch_count,
             "history": self.history,
             "train_seconds": self.seconds_before,
+            "rng": _rng_state(),
         }
 
-    def restore(self, path: Path) -> None:
-        state = load_checkpoint(path, map_location=self.device)
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``state`` (checked with :func:`resume_mismatch` first)."""
         problem = resume_mismatch(self.config, self.group.world, state)
         if problem:
             raise CheckpointError(problem)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.epoch, self.step = state["epoch"], state["step"]
+        self.position = state.get("position", 0)
+        self.epoch_loss, self.epoch_count = state.get("epoch_loss", 0.0), state.get("epoch_count", 0.0)
         self.history, self.seconds_before = state["history"], state["train_seconds"]
+        if "rng" in state:
+            _set_rng_state(state["rng"])
+
+    def batches_of(self, epoch: int) -> list[list[Utterance]]:
+        """The global batches of ``epoch``, in order: a function of the seed and the epoch alone."""
+        cfg = self.config
+        plan = self.train_set.plan((cfg.seed, epoch))
+        return _batches(plan, cfg.batch_size, self.group.world, np.random.default_rng((cfg.seed, epoch, 1)))
 
     # ---- steps
     def learning_rate(self) -> float:
@@ -214,28 +253,37 @@ class Run:
         self.step += 1
         return float(losses.detach().sum()), len(mine)
 
+    def step_and_sync(self, global_batch: list[Utterance], flags: tuple[float, ...] = ()) -> list[float]:
+        """One step, then one all-reduce of (its loss, utterances, ``flags``...) over the ranks: the
+        epoch's loss adds up the same way whether or not the run was resumed, and every rank learns
+        the others' flags (stop, checkpoint) after the same step."""
+        loss, n = self.train_step(global_batch)
+        summed = self.group.sum([loss, n, *flags])
+        self.position += 1
+        self.epoch_loss += summed[0]
+        self.epoch_count += summed[1]
+        return summed[2:]
+
+    def end_epoch(self) -> tuple[float, int]:
+        """Close the epoch: returns its loss (summed per-utterance) and utterances, and moves on."""
+        loss, count = self.epoch_loss, int(self.epoch_count)
+        self.epoch, self.position = self.epoch + 1, 0
+        self.epoch_loss = self.epoch_count = 0.0
+        return loss, count
+
     def train_epoch(self, progress: bool = False) -> tuple[float, int]:
-        """The next epoch's steps; returns the summed per-utterance loss and utterances of all ranks."""
-        cfg = self.config
-        plan = self.train_set.plan((cfg.seed, self.epoch))
-        batches = _batches(
-            plan, cfg.batch_size, self.group.world, np.random.default_rng((cfg.seed, self.epoch, 1))
-        )
+        """The rest of the current epoch's steps (no checkpoints, no stopping: the benchmark's loop);
+        returns the summed per-utterance loss and the utterances of all ranks."""
+        batches = self.batches_of(self.epoch)
         bar = tqdm(
-            batches,
-            desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
-            unit="batch",
-            leave=False,
-            disable=not progress,
-        )
-        loss_sum = count = 0.0
-        for global_batch in bar:
-            loss, n = self.train_step(global_batch)
-            loss_sum, count = loss_sum + loss, count + n
-            bar.set_postfix(loss=f"{loss / max(n, 1):.3f}", lr=f"{self.learning_rate():.3g}")
-        loss_sum, count = self.group.sum([loss_sum, count])
-        self.epoch += 1
-        return loss_sum, int(count)
+            total=len(batches), initial=self.position, desc=f"epoch {self.epoch + 1}/{self.config.epochs}",
+            unit="batch", leave=False, disable=not progress,
+        )  # fmt: skip
+        while self.position < len(batches):
+            self.step_and_sync(batches[self.position])
+            bar.update()
+        bar.close()
+        return self.end_epoch()
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 48) -> tuple[ErrorRates, list[tuple[str, str]]]:
@@ -290,48 +338,151 @@ def _plot(history: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Checkpointing:
+    """When a run saves and what it keeps: every ``every`` optimizer steps (0: every ``seconds`` of
+    training, decided on rank 0), at every epoch's end, and when stopped by a signal; the newest ``keep``
+    numbered checkpoints stay (see :class:`~tandem.asr.checkpoint.CheckpointStore`)."""
+
+    every: int = 0
+    seconds: float = 60.0
+    keep: int = 2
+
+
+EXIT_STOPPED = 130  # as a shell reports a program ended by Ctrl-C
+
+
 def train(
-    config: TrainConfig, out: Path, *, resume: bool = False, device: str = "auto", timeout: float = 60.0
+    config: TrainConfig,
+    out: Path,
+    *,
+    resume: bool = False,
+    device: str = "auto",
+    timeout: float = 60.0,
+    checkpointing: Checkpointing = Checkpointing(),
+    threads: int | None = None,
 ) -> int:
-    """Train (this rank's part of) a recognizer; writes ``checkpoint.pt`` after every epoch and
-    ``metrics.json`` and ``training_curve.png`` at the end (rank 0). Returns the exit status."""
+    """Train (this rank's part of) a recognizer; rank 0 writes checkpoints as ``checkpointing`` says, and
+    ``metrics.json`` and ``training_curve.png`` at the end. Returns the exit status: 0 done,
+    :data:`EXIT_STOPPED` stopped by SIGINT or SIGTERM (after a checkpoint), 2 nothing to resume from.
+
+    Under torchrun the process dies with its agent, and a run restarted by torchrun (after a worker
+    failed) continues from the newest complete checkpoint of this launch by itself. ``threads``: torch's
+    CPU threads in this process (default: the machine's cores shared by its processes).
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+    stop = StopRequests().install()
     group = Group(pick_device(device), timeout)
     try:
-        code = _train(config, Path(out), resume, group)
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // group.local_world))
+        code = _train(config, Path(out), resume, group, checkpointing, stop)
     finally:
         group.close()
+    if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
+        code = 0  # a clean stop: torchrun must neither restart the workers nor report a failure
     group.leave(code)
     return code
 
 
-def _train(config: TrainConfig, out: Path, resume: bool, group: Group) -> int:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world))
+def _starting_state(
+    run: Run, store: CheckpointStore, resume: bool, group: Group
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Rank 0 decides where the run starts, every rank gets its decision: (checkpoint state or None for a
+    fresh start, or an error message). A fresh launch clears the folder's old checkpoints, so a restart
+    by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0) finds only this launch's."""
+    decision: tuple[dict[str, Any] | None, str | None] = (None, None)
+    if group.lead:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if resume or restarted:
+            state, path, skipped = store.latest()
+            for problem in skipped:
+                print(f"tandem train: skipping an unreadable checkpoint: {problem}", flush=True)
+            if state is None and resume and not restarted:
+                decision = (None, f"--resume: no readable checkpoint in {store.folder}")
+            elif state is not None:
+                mismatch = resume_mismatch(run.config, group.world, state)
+                if skipped and mismatch is None:
+                    print(
+                        f"tandem train: continuing from the previous complete checkpoint, {path}", flush=True
+                    )
+                decision = (None, mismatch) if mismatch else (state, None)
+        else:
+            store.clear()
+    return group.broadcast(decision)  # type: ignore[return-value]
+
+
+def _train(
+    config: TrainConfig,
+    out: Path,
+    resume: bool,
+    group: Group,
+    checkpointing: Checkpointing,
+    stop: StopRequests,
+) -> int:
     run = Run(config, group, load_spoken_digits())
-    checkpoint = out / "checkpoint.pt"
-    if resume:
-        try:
-            run.restore(checkpoint)
-        except CheckpointError as e:
-            if group.lead:
-                print(f"tandem train: error: {e}", file=sys.stderr)
-            return 2
+    store = CheckpointStore(out, checkpointing.keep)
     lead = group.lead
+    state, error = _starting_state(run, store, resume, group)
+    if error:
+        if lead:
+            print(f"tandem train: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    if state is not None:
+        run.restore(state)
+        del state
     cfg = config.model
     if lead:
         n_params = sum(p.numel() for p in run.model.parameters())
+        where = (
+            f"; resuming at step {run.step} (epoch {run.epoch + 1}, batch {run.position})" if run.step else ""
+        )
         print(
             f"tandem train: speech recognition, {cfg.conv_layers} conv + {cfg.layers} bidirectional "
             f"{cfg.cell.upper()} x {cfg.hidden} ({n_params / 1e6:.2f} M parameters); "
             f"{len(run.train_set.ids)} training recordings, {len(run.test_plan)} test utterances "
             f"({'speaker ' + config.test_speaker + ' held out' if config.test_speaker else 'takes 0-4'}); "
             f"{group.world} process(es) on {group.device}, global batch {config.batch_size}, "
-            f"Adagrad lr {config.lr}" + (f"; resuming after epoch {run.epoch}" if run.epoch else ""),
+            f"Adagrad lr {config.lr}{where}",
             flush=True,
         )
-    started = time.perf_counter()
-    while run.epoch < config.epochs:
+
+    started = last_save = time.perf_counter()
+    stopped = False
+
+    def save() -> None:
+        nonlocal last_save
+        run.seconds_before += time.perf_counter() - last_save
+        last_save = time.perf_counter()
+        if lead:
+            store.save(run.state(), run.step)
+
+    while run.epoch < config.epochs and not stopped:
         epoch_start = time.perf_counter()
-        loss_sum, count = run.train_epoch(progress=lead)
+        batches = run.batches_of(run.epoch)
+        bar = tqdm(
+            total=len(batches), initial=run.position, desc=f"epoch {run.epoch + 1}/{config.epochs}",
+            unit="batch", leave=False, disable=not lead,
+        )  # fmt: skip
+        while run.position < len(batches):
+            if checkpointing.every:
+                due = (run.step + 1) % checkpointing.every == 0
+            else:  # rank 0's clock decides; the all-reduce below tells the others
+                due = lead and time.perf_counter() - last_save >= checkpointing.seconds
+            n_stop, n_save = run.step_and_sync(
+                batches[run.position], (float(stop.signal is not None), float(due))
+            )
+            bar.set_postfix(lr=f"{run.learning_rate():.3g}")
+            bar.update()
+            stopped = stopped or n_stop > 0
+            if run.position < len(batches) and (n_save or stopped):
+                save()  # mid-epoch; the epoch's end saves anyway
+            if stopped:
+                break
+        bar.close()
+        if run.position < len(batches):
+            break  # stopped mid-epoch
+        loss_sum, count = run.end_epoch()
         train_seconds = time.perf_counter() - epoch_start
         rates, examples = run.evaluate()
         record = {
@@ -341,12 +492,12 @@ def _train(config: TrainConfig, out: Path, resume: bool, group: Group) -> int:
             "test_wer": rates.wer,
             "test_cer": rates.cer,
             "test_accuracy": rates.accuracy,
+            "test_words": rates.words,
             "seconds": time.perf_counter() - epoch_start,
             "train_seconds": train_seconds,
-            "utterances": int(count),
+            "utterances": count,
         }
         run.history.append(record)
-        run.seconds_before += time.perf_counter() - epoch_start
         if not math.isfinite(record["train_loss"]):
             if lead:
                 print(
@@ -362,13 +513,25 @@ def _train(config: TrainConfig, out: Path, resume: bool, group: Group) -> int:
                 f"  e.g. {examples[0][0]!r} -> {examples[0][1]!r}",
                 flush=True,
             )
-            save_checkpoint(run.state(), checkpoint)
+        save()
+        # a signal that came during the evaluation stops the run here, after that epoch's checkpoint
+        stopped = stopped or group.sum([float(stop.signal is not None)])[0] > 0
+
+    if stopped:
+        if lead:
+            print(
+                f"tandem train: stopped by a signal after step {run.step} (epoch {run.epoch + 1}, batch "
+                f"{run.position}); wrote {store.path}. Run the same command with --resume to continue.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return EXIT_STOPPED
 
     # ru_maxrss is in KiB on Linux; the largest of the ranks'
     (peak_rss,) = group.max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
     if not lead:
         return 0
-    written = ["checkpoint.pt"] if checkpoint.exists() else []
+    written = ["checkpoint.pt"] if store.path.exists() else []
     final = run.history[-1] if run.history else {}
     metrics = {
         "task": "asr",

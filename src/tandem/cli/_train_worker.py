@@ -86,7 +86,7 @@ def train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, device: torch.device, group: Group) -> int:
     # one core per process when the processes share a machine
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // group.local_world))
     lead = group.rank == 0
     data_path = args.data or JAPANESE_VOWELS
     data = load_npz(data_path)

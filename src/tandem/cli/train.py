@@ -16,7 +16,10 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -82,6 +85,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup-steps", type=int, default=50, help="steps of linear learning-rate warm-up (default: 50)"
     )
     asr.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also write a checkpoint every K optimizer steps (default 0: every minute of training); one is "
+        "always written at each epoch's end and when a signal stops the run",
+    )
+    asr.add_argument(
+        "--keep-checkpoints",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="numbered checkpoints to keep besides checkpoint.pt, the newest (default: 2)",
+    )
+    asr.add_argument(
         "--conv-channels", type=positive_int, default=16, help="channels of the convolutions (default: 16)"
     )
     classify = parser.add_argument_group("classification (--task classify)")
@@ -103,6 +121,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "--timeout", type=positive_float, default=60.0, help="collective timeout, s (default: 60)"
     )
+    launch.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads per process (default: this machine's cores over its processes)",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="torchrun: restart the processes up to N times after one fails; the speech task then "
+        "continues from its newest checkpoint (default: 3)",
+    )
+    launch.add_argument(
+        "--rdzv-timeout",
+        type=positive_float,
+        default=300.0,
+        metavar="S",
+        help="multi-node: seconds to wait for every node to join, at the start and after a restart "
+        "(default: 300)",
+    )
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> int:
@@ -121,7 +162,7 @@ def _check_out(out: Path, resume: bool) -> str | None:
             pass
     except OSError as e:
         return f"--out {out}: cannot write there ({e.strerror or e})"
-    if resume and not (out / "checkpoint.pt").is_file():
+    if resume and not any(out.glob("checkpoint*.pt")):
         return f"--resume: expected a checkpoint at {out / 'checkpoint.pt'}, found none"
     return None
 
@@ -130,13 +171,12 @@ def _check_resume(args: argparse.Namespace) -> str | None:
     """Why ``--resume`` cannot continue from the checkpoint in ``--out`` exactly, or None (speech task)."""
     if not args.resume or args.task != "asr":
         return None
-    from tandem.asr.checkpoint import CheckpointError, load_checkpoint
+    from tandem.asr.checkpoint import CheckpointStore
     from tandem.asr.training import resume_mismatch
 
-    try:
-        state = load_checkpoint(args.out / "checkpoint.pt")
-    except CheckpointError as e:
-        return f"--resume: {e}"
+    state, _, skipped = CheckpointStore(args.out).latest()
+    if state is None:
+        return f"--resume: no readable checkpoint in {args.out} ({'; '.join(skipped)})"
     return resume_mismatch(asr_config(args), args.nproc * args.nnodes, state)
 
 
@@ -149,6 +189,8 @@ def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 def _check_task_options(args: argparse.Namespace) -> str | None:
     """Why the options do not fit the task, or None (checked before anything is written)."""
+    if args.max_restarts < 0:
+        return f"--max-restarts: expected a number >= 0, got {args.max_restarts}"
     if args.task == "asr":
         if args.data is not None:
             return "--data: only for --task classify (speech recognition trains on the bundled recordings)"
@@ -160,6 +202,8 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
                 return f"--test-speaker: expected one of {', '.join(speakers)}, got {args.test_speaker!r}"
         if args.warmup_steps < 0:
             return f"--warmup-steps: expected a number >= 0, got {args.warmup_steps}"
+        if args.checkpoint_every < 0:
+            return f"--checkpoint-every: expected a number of steps >= 0, got {args.checkpoint_every}"
         return None
     from tandem.data import JAPANESE_VOWELS, load_npz
 
@@ -194,16 +238,32 @@ def asr_config(args: argparse.Namespace):
 def _work(args: argparse.Namespace) -> int:
     """Train in this process (one rank of torchrun's group, or the only process)."""
     if args.task == "asr":
-        from tandem.asr.training import train
+        from tandem.asr.training import Checkpointing, train
 
-        return train(asr_config(args), args.out, resume=args.resume, device=args.device, timeout=args.timeout)
+        return train(
+            asr_config(args),
+            args.out,
+            resume=args.resume,
+            device=args.device,
+            timeout=args.timeout,
+            checkpointing=Checkpointing(every=args.checkpoint_every, keep=args.keep_checkpoints),
+            threads=args.threads,
+        )
     from tandem.cli._train_worker import train
 
     return train(args)
 
 
 # Options only the launcher reads; the workers learn their world from torchrun's environment.
-_LAUNCHER_OPTIONS = ("nproc", "nnodes", "node_rank", "master_addr", "master_port")
+_LAUNCHER_OPTIONS = (
+    "nproc",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "max_restarts",
+    "rdzv_timeout",
+)
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
@@ -244,27 +304,113 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _fail(parser, problem)
 
     if args.nproc == 1 and args.nnodes == 1:
-        return _work(args)
+        code = _work(args)
+        if code == 130 and args.task == "asr":  # stopped by a signal, after a checkpoint
+            print(f"tandem train: stopped; to continue: {_resume_command(args)}", file=sys.stderr, flush=True)
+        return code
+    return _launch(args)
 
+
+def _torchrun_command(args: argparse.Namespace) -> list[str]:
+    """torchrun's command line: elastic restarts, and a c10d rendezvous across nodes (node rank 0 hosts its
+    store at --master-addr:--master-port; the others join within --rdzv-timeout)."""
     if args.nnodes == 1:
         rendezvous = ["--standalone"]
     else:
         rendezvous = [
             f"--nnodes={args.nnodes}",
-            f"--node-rank={args.node_rank}",
-            f"--master-addr={args.master_addr}",
-            f"--master-port={args.master_port}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.master_addr}:{args.master_port}",
+            "--rdzv-id=tandem-train",
+            f"--rdzv-conf=join_timeout={args.rdzv_timeout:g},is_host={int(args.node_rank == 0)}",
         ]
-    command = [
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         *rendezvous,
         f"--nproc-per-node={args.nproc}",
+        f"--max-restarts={args.max_restarts}",
         "-m",
         "tandem",
         "train",
         *_worker_argv(args),
     ]
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Run torchrun until it ends. A first SIGINT or SIGTERM goes on to this node's workers, which stop
+    after their current step (the ranks on other nodes with them: they agree after every step), write a
+    checkpoint and end normally, so torchrun neither restarts them nor reports a failure; a second signal
+    ends everything at once (torchrun and, as they die with it, the workers)."""
+    from tandem.asr.interrupt import die_with_parent
+
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(command, env=env)
+    # a session of its own: a Ctrl-C in the terminal reaches this launcher only, which passes it on once
+    proc = subprocess.Popen(
+        _torchrun_command(args), env=env, start_new_session=True, preexec_fn=die_with_parent
+    )
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            print(
+                f"tandem train: {signal.Signals(signum).name}: stopping after the current step "
+                "(again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            for pid in _children(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+        else:
+            proc.kill()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        if args.task == "asr" and any(args.out.glob("checkpoint*.pt")):
+            print(
+                f"tandem train: stopped; to continue: {_resume_command(args)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + received[0]
+    if code != 0:
+        where = (
+            f" (with {args.nnodes} nodes: a node that failed or never joined ends the run within "
+            f"--rdzv-timeout, {args.rdzv_timeout:g} s)"
+            if args.nnodes > 1
+            else ""
+        )
+        print(
+            f"tandem train: error: the training processes failed, torchrun exit status {code}{where}; "
+            "see the report above",
+            file=sys.stderr,
+            flush=True,
+        )
+    return code
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc; none elsewhere)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _resume_command(args: argparse.Namespace) -> str:
+    """The command line of this run with --resume (``args.argv`` starts with the subcommand)."""
+    argv = [a for a in getattr(args, "argv", ["train"]) if a != "--resume"]
+    return shlex.join(["tandem", *argv, "--resume"])

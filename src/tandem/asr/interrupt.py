@@ -1,0 +1,57 @@
+"""Stopping a training run cleanly: signals in the workers, and workers that do not outlive their launcher."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from types import FrameType
+
+__all__ = ["StopRequests", "die_with_parent"]
+
+
+class StopRequests:
+    """SIGINT and SIGTERM as requests: the first asks the run to stop after its current step (the loop reads
+    :attr:`signal`), the second ends the process at once. Checkpoints are written atomically, so leaving in
+    the middle of one keeps the previous.
+
+    Example::
+
+        >>> stop = StopRequests().install()
+        >>> while not stop.signal:
+        ...     step()
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def install(self) -> StopRequests:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal is not None:
+            sys.stderr.write(f"tandem train: second {signal.Signals(signum).name}, leaving at once\n")
+            os._exit(128 + signum)
+        self.signal = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else ""
+
+
+def die_with_parent() -> None:
+    """Have Linux kill this process (SIGKILL) when its parent dies: torchrun starts workers in sessions of
+    their own, so without this a launcher killed outright leaves its workers running. No-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)

@@ -1,0 +1,200 @@
+"""Training that survives failures: a worker killed mid-epoch (torchrun restarts the group, which continues
+from its checkpoint), Ctrl-C and --resume, damaged checkpoints, two nodes, a node that dies. Every run is
+compared with an uninterrupted run of the same seed, bit for bit (Gloo on 127.0.0.1, one thread a process,
+every wait bounded, every process ended)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _cli import finish, free_port, processes_mentioning, start, tandem, wait_for
+
+from tandem.asr.checkpoint import CheckpointStore, load_checkpoint
+
+# one epoch of a tiny model (22 steps), a checkpoint every 5 steps
+TINY = ("--hidden", "32", "--layers", "1", "--epochs", "1", "--threads", "1", "--checkpoint-every", "5")
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(out / "checkpoint.pt")["model"]
+
+
+def _scores(out: Path) -> list[tuple]:
+    """What metrics.json says of each epoch, less its timings."""
+    history = json.loads((out / "metrics.json").read_text())["history"]
+    return [(h["epoch"], h["step"], h["train_loss"], h["test_wer"], h["test_cer"]) for h in history]
+
+
+def _assert_same_run(out: Path, reference: Path) -> None:
+    ours, theirs = _weights(out), _weights(reference)
+    assert list(ours) == list(theirs)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)
+    assert _scores(out) == _scores(reference)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run everything is compared with: two processes on one node."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    done = tandem("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port())
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_a_worker_killed_mid_epoch_is_restarted_and_the_run_ends_as_if_not(reference, tmp_path):
+    out = tmp_path / "run"
+    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        (victim,) = processes_mentioning(str(out), "LOCAL_RANK=1")
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        code = finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 0, log[-3000:]
+    assert "failed (exitcode: -9)" in log and "resuming at step" in log  # torchrun restarted, we resumed
+    _assert_same_run(out, reference)
+
+
+def test_sigint_stops_after_a_checkpoint_and_resume_continues_exactly(reference, tmp_path):
+    out = tmp_path / "run"
+    args = ("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port())
+    proc = start(*args, log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        os.kill(proc.pid, signal.SIGINT)  # to the launcher alone, as a terminal's Ctrl-C now reaches it
+    finally:
+        code = finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 130, log[-3000:]
+    assert "stopping after the current step" in log and "stopped by a signal after step" in log
+    assert "to continue: tandem train" in log and log.rstrip().endswith("--resume")
+    stopped_at = load_checkpoint(out / "checkpoint.pt")["step"]
+    assert 5 <= stopped_at < 22 and not (out / "metrics.json").exists()
+    rest = tandem(*args, "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert f"resuming at step {stopped_at}" in rest.stdout
+    _assert_same_run(out, reference)
+    # a run of another configuration is refused before launch, saying what differs; nothing is touched
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    other = tandem(*args, "--hidden", "16", "--resume", timeout=120)
+    assert other.returncode == 2 and "model.hidden: checkpoint 32, now 16" in other.stderr
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
+
+
+def test_a_second_sigint_ends_the_run_at_once_and_keeps_the_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signal.SIGINT)
+        started = time.monotonic()
+        code = proc.wait(30)
+        assert time.monotonic() - started < 10
+    finally:
+        finish(proc, out)
+    assert code == 130
+    deadline = time.monotonic() + 30  # the workers die with torchrun
+    while processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not processes_mentioning(str(out))
+    state, path, skipped = CheckpointStore(out).latest()
+    assert state is not None and not skipped and state["step"] >= 5
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
+    out = tmp_path / "run"
+    args = ("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port())
+    proc = start(*args, log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000010.pt", proc)
+        os.kill(proc.pid, signal.SIGINT)
+    finally:
+        assert finish(proc, out) == 130
+    newest = CheckpointStore(out).numbered()[-1]
+    with open(newest, "r+b") as f:  # checkpoint.pt is the same file (a hard link): both are damaged
+        f.truncate(newest.stat().st_size // 2)
+    rest = tandem(*args, "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert (
+        "skipping an unreadable checkpoint" in rest.stdout and "continuing from the previous" in rest.stdout
+    )
+    assert "Traceback" not in rest.stdout + rest.stderr
+    _assert_same_run(out, reference)
+
+
+def test_no_readable_checkpoint_is_a_clear_refusal(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    done = tandem("--nproc", "2", *TINY, "--out", str(out), "--resume", timeout=120)
+    assert done.returncode == 2
+    assert "--resume: no readable checkpoint in" in done.stderr and "Traceback" not in done.stderr
+    assert [p.name for p in out.iterdir()] == ["checkpoint.pt"]
+
+
+def test_checkpoints_rotate(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    state = {"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": {}, "step": 0}
+    for step in (5, 10, 15):
+        store.save({**state, "step": step}, step)
+    assert [p.name for p in store.numbered()] == ["checkpoint-00000010.pt", "checkpoint-00000015.pt"]
+    assert load_checkpoint(store.path)["step"] == 15
+    assert os.path.samefile(store.path, tmp_path / "checkpoint-00000015.pt")
+    with pytest.raises(ValueError, match="keep >= 1"):
+        CheckpointStore(tmp_path, keep=0)
+
+
+def _two_nodes(tmp_path: Path, *extra: str) -> tuple[list, Path]:
+    out, port = tmp_path / "run", free_port()
+    procs = [
+        start(
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--nproc",
+            "1",
+            "--master-port",
+            port,
+            *TINY,
+            "--out",
+            str(out),
+            *extra,
+            log=tmp_path / f"node{rank}.log",
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    return procs, out
+
+
+def test_two_nodes_compute_what_one_node_with_two_processes_computes(reference, tmp_path):
+    procs, out = _two_nodes(tmp_path)
+    codes = [finish(p, out) for p in procs]
+    logs = [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
+    assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    _assert_same_run(out, reference)
+
+
+def test_a_node_that_dies_makes_the_other_exit_with_a_clear_error(tmp_path):
+    procs, out = _two_nodes(tmp_path, "--rdzv-timeout", "20", "--timeout", "20", "--max-restarts", "1")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", procs[0])
+        os.killpg(procs[1].pid, signal.SIGKILL)  # node 1's launcher and torchrun; its worker dies with them
+        started = time.monotonic()
+        code = procs[0].wait(150)
+        waited = time.monotonic() - started
+    finally:
+        for p in procs:
+            finish(p, out)
+    log = (tmp_path / "node0.log").read_text()
+    assert code != 0 and waited < 150
+    assert "tandem train: error: the training processes failed" in log and "--rdzv-timeout" in log
