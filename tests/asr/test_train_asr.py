@@ -39,6 +39,20 @@ def test_two_processes_learn_the_digits(trained):
     assert not [p for p in trained.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
+def test_tensorboard_events(trained):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = accumulator.EventAccumulator(str(trained), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    wer = [e.value for e in events.Scalars("test/wer")]
+    metrics = json.loads((trained / "metrics.json").read_text())
+    assert wer == pytest.approx([h["test_wer"] for h in metrics["history"]])
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == list(range(1, metrics["steps"] + 1))
+    assert len(events.Scalars("train/learning_rate")) == len(steps)
+    assert "test/transcripts/text_summary" in events.Tags()["tensors"]
+    assert "TensorBoard events" in (trained / "stdout.txt").read_text()
+
+
 def test_checkpoint_describes_itself(trained):
     state = load_checkpoint(trained / "checkpoint.pt")
     assert state["model_config"]["hidden"] == 96 and state["model_config"]["cell"] == "gru"
@@ -48,19 +62,26 @@ def test_checkpoint_describes_itself(trained):
     assert state["epoch"] == 6 and state["world_size"] == 2 and "weight_hh_l0" in "".join(state["model"])
 
 
-def test_without_matplotlib_the_closing_line_names_only_what_was_written(tmp_path):
-    blocker = tmp_path / "no-mpl" / "matplotlib"
-    blocker.mkdir(parents=True)
-    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
+def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was_written(tmp_path):
+    blocked = tmp_path / "blocked"
+    for package in ("matplotlib", "tensorboard"):
+        (blocked / package).mkdir(parents=True)
+        (blocked / package / "__init__.py").write_text(
+            f"raise ImportError('{package} is blocked for this test')\n"
+        )
     out = tmp_path / "run"
     done = tandem(
         "--nproc", "1", "--epochs", "1", "--hidden", "16", "--layers", "1", "--out", str(out),
-        pythonpath=(str(blocker.parent),),
+        pythonpath=(str(blocked),),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "matplotlib is not installed" in done.stdout
-    assert "wrote checkpoint.pt, metrics.json to" in done.stdout and "png" not in done.stdout.splitlines()[-1]
-    assert not (out / "training_curve.png").exists()
+    assert done.stdout.splitlines()[-1].endswith(f"wrote checkpoint.pt, metrics.json to {out}")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint-00000022.pt",
+        "checkpoint.pt",
+        "metrics.json",
+    ]
 
 
 @pytest.mark.parametrize(

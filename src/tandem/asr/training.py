@@ -256,13 +256,14 @@ class Run:
     def step_and_sync(self, global_batch: list[Utterance], flags: tuple[float, ...] = ()) -> list[float]:
         """One step, then one all-reduce of (its loss, utterances, ``flags``...) over the ranks: the
         epoch's loss adds up the same way whether or not the run was resumed, and every rank learns
-        the others' flags (stop, checkpoint) after the same step."""
+        the others' flags (stop, checkpoint) after the same step. Returns [the step's mean loss over
+        the global batch, *the flags summed over the ranks]."""
         loss, n = self.train_step(global_batch)
         summed = self.group.sum([loss, n, *flags])
         self.position += 1
         self.epoch_loss += summed[0]
         self.epoch_count += summed[1]
-        return summed[2:]
+        return [summed[0] / max(summed[1], 1.0), *summed[2:]]
 
     def end_epoch(self) -> tuple[float, int]:
         """Close the epoch: returns its loss (summed per-utterance) and utterances, and moves on."""
@@ -305,6 +306,44 @@ class Run:
         self.wrapped.train()
         rates = ErrorRates(*(int(v) for v in self.group.sum(list(error_rates(refs, hyps).as_tuple()))))
         return rates, list(zip(refs, hyps))[:: max(1, len(refs) // 4)][:4]
+
+
+class _Board:
+    """TensorBoard event files in ``folder`` (rank 0 passes its ``--out``, the others None) when the
+    ``tensorboard`` package is installed: per step the loss and learning rate, per epoch the test error
+    rates and a few test transcripts. Without it nothing is written. A resumed run drops the events
+    after its checkpoint's step (``purge_step``), so the curves show the run that continued."""
+
+    def __init__(self, folder: Path | None, step: int) -> None:
+        self.writer = None
+        if folder is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # torch raises it when the tensorboard package is missing
+            return
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=step or None)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def epoch(self, step: int, record: dict[str, Any], examples: list[tuple[str, str]]) -> None:
+        if self.writer is None:
+            return
+        self.scalars(step, {f"test/{k.removeprefix('test_')}": record[k] for k in ("test_wer", "test_cer")})
+        self.scalars(
+            step,
+            {"test/utterance_accuracy": record["test_accuracy"], "train/epoch_loss": record["train_loss"]},
+        )
+        lines = "\n".join(f"    {ref!r} -> {hyp!r}" for ref, hyp in examples)  # indented: Markdown code
+        self.writer.add_text("test/transcripts", f"epoch {record['epoch']}:\n\n{lines}", step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _plot(history: list[dict[str, Any]], path: Path) -> bool:
@@ -449,6 +488,7 @@ def _train(
 
     started = last_save = time.perf_counter()
     stopped = False
+    board = _Board(out if lead else None, run.step)
 
     def save() -> None:
         nonlocal last_save
@@ -469,10 +509,11 @@ def _train(
                 due = (run.step + 1) % checkpointing.every == 0
             else:  # rank 0's clock decides; the all-reduce below tells the others
                 due = lead and time.perf_counter() - last_save >= checkpointing.seconds
-            n_stop, n_save = run.step_and_sync(
+            step_loss, n_stop, n_save = run.step_and_sync(
                 batches[run.position], (float(stop.signal is not None), float(due))
             )
-            bar.set_postfix(lr=f"{run.learning_rate():.3g}")
+            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{run.learning_rate():.3g}")
+            board.scalars(run.step, {"train/loss": step_loss, "train/learning_rate": run.learning_rate()})
             bar.update()
             stopped = stopped or n_stop > 0
             if run.position < len(batches) and (n_save or stopped):
@@ -513,10 +554,12 @@ def _train(
                 f"  e.g. {examples[0][0]!r} -> {examples[0][1]!r}",
                 flush=True,
             )
+        board.epoch(run.step, record, examples)
         save()
         # a signal that came during the evaluation stops the run here, after that epoch's checkpoint
         stopped = stopped or group.sum([float(stop.signal is not None)])[0] > 0
 
+    board.close()
     if stopped:
         if lead:
             print(
@@ -555,6 +598,8 @@ def _train(
     written.append("metrics.json")
     if run.history and _plot(run.history, out / "training_curve.png"):
         written.append("training_curve.png")
+    if board.writer is not None:
+        written.append("TensorBoard events")
     wer = (
         f"test WER {100 * final['test_wer']:.2f}%, CER {100 * final['test_cer']:.2f}%"
         if final
