@@ -150,3 +150,29 @@ def test_forward_of_a_non_bool_bidirectional_is_torchs_error(torch_cls, tandem_c
     with pytest.raises(TypeError) as got:
         tandem_cls(4, 5, bidirectional=1)(x)
     assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_inference_mode_then_no_grad_then_training_match_torch(torch_cls, tandem_cls):
+    """The CPU kernels' reused workspace was once created under torch.inference_mode: an inference
+    tensor, which no later call outside it could write ('Inplace update to inference tensor outside
+    InferenceMode'), so a model served with inference_mode could not be evaluated or trained after."""
+    from tandem.ops import _workspace
+
+    _workspace.release()  # the first call below makes the workspace
+    ref, ours = (
+        torch_cls(5, 6, num_layers=2, bidirectional=True),
+        tandem_cls(5, 6, num_layers=2, bidirectional=True),
+    )
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 3, 5)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([7, 5, 2]))
+    for context in (torch.inference_mode, torch.no_grad, torch.enable_grad, torch.inference_mode):
+        with context():
+            got, expected = ours(packed)[0].data, ref(packed)[0].data
+        torch.testing.assert_close(got, expected)
+        if got.requires_grad:
+            got.square().sum().backward()
+            expected.square().sum().backward()
+            for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, msg=name)

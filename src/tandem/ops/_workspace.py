@@ -49,7 +49,10 @@ def scratch(like: Tensor, *shapes: tuple[int, ...]) -> list[Tensor]:
         key = (like.device, like.dtype)
         flat = buffers.get(key)
         if flat is None or flat.numel() < total:
-            flat = buffers[key] = like.new_empty(total)
+            # Never an inference tensor: a buffer first made under torch.inference_mode could not be
+            # written outside it, so every later call (no_grad, training) would fail on the first copy.
+            with torch.inference_mode(False):
+                flat = buffers[key] = like.new_empty(total)
     return [flat[o : o + n].view(shape) for o, n, shape in zip(offsets, sizes, shapes)]
 
 
