@@ -4,9 +4,7 @@ that rebuild the model, plus (for resuming) the training state. Written atomical
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,10 +77,14 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"{path}: no such file")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+    except Exception as e:
+        # Bytes that are not a checkpoint fail anywhere in the unpickler, with any exception (a text file:
+        # KeyError from the weights-only unpickler's memo), not only the ones named here before.
         text = str(e).strip()
-        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__  # torch's first sentence
-        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt?): {first}") from None
+        first = text.splitlines()[0].split(". ")[0] if text else ""  # torch's first sentence
+        detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        problem = f"not a readable checkpoint (truncated or corrupt?): {detail}"
+        raise CheckpointError(f"{path}: {problem}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(
             f"{path}: not a speech-recognizer checkpoint (expected format {FORMAT!r}, got "

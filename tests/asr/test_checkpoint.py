@@ -1,0 +1,42 @@
+"""Reading checkpoints: any file that is not a recognizer checkpoint is a CheckpointError naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.asr.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    state = {"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": {"w": torch.ones(3)}}
+    save_checkpoint(state, path)
+    return path
+
+
+def test_a_saved_checkpoint_reads_back(saved):
+    state = load_checkpoint(saved)
+    assert state["format"] == "tandem.asr.recognizer" and state["version"] == 1
+    assert torch.equal(state["model"]["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda data: b"", id="empty"),
+        pytest.param(lambda data: b"hello\n", id="text"),  # the weights-only unpickler raised KeyError
+        pytest.param(lambda data: bytes(range(256)) * 8, id="binary"),
+        pytest.param(lambda data: data[: len(data) // 2], id="truncated"),
+        pytest.param(lambda data: data[:100], id="header-only"),
+    ],
+)
+def test_unreadable_files_are_checkpoint_errors_naming_the_file(tmp_path, saved, make):
+    path = tmp_path / "bad.pt"
+    path.write_bytes(make(saved.read_bytes()))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: not a readable checkpoint (truncated or corrupt?): ")
+    assert "\n" not in message
