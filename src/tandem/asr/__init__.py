@@ -1,9 +1,11 @@
 """``tandem.asr``: the main job's application, a DeepSpeech-style speech recognizer built from tandem's
 parts (see ``shared/DESIGN.md``): the bundled recordings and the connected-digit generator, log-mel
-features, the model, CTC decoding, error rates, training."""
+features, the model, CTC decoding, error rates, training, and reading recordings
+(:mod:`tandem.asr.audio`)."""
 
 from __future__ import annotations
 
+from tandem.asr.audio import AudioError, read_audio, to_model_input
 from tandem.asr.augment import Augmentation
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
@@ -15,6 +17,7 @@ from tandem.asr.text import ENGLISH, Alphabet
 
 __all__ = [
     "Alphabet",
+    "AudioError",
     "Augmentation",
     "ConnectedDigits",
     "DeepSpeech2",
@@ -33,6 +36,8 @@ __all__ = [
     "greedy_decode",
     "load_spoken_digits",
     "mel_filterbank",
+    "read_audio",
     "resample",
     "split_recordings",
+    "to_model_input",
 ]

@@ -1,0 +1,163 @@
+"""Audio in at the boundary: recordings read from files (WAV and what else libsndfile reads) and turned
+into what the model takes, one mono waveform at the feature rate.
+
+Reading goes through ``soundfile`` (libsndfile): Python's ``wave`` reads integer PCM only, and float WAVs
+are common output of audio tools. Sample rates are never guessed: a file carries its own, and arrays come
+with theirs as an argument.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from pathlib import Path
+from typing import BinaryIO, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tandem.asr.features import resample
+
+__all__ = [
+    "AudioError",
+    "AudioSource",
+    "MAX_CHANNELS",
+    "SILENCE_PEAK",
+    "read_audio",
+    "source_name",
+    "to_model_input",
+]
+
+# A recording whose every sample is at most one step of 16-bit PCM (-90 dBFS) holds no sound: all
+# zeros, or the last bit's dither. Per-utterance feature normalisation would blow such a recording up to
+# full scale, and the model would transcribe noise, so it is refused instead.
+SILENCE_PEAK = 2.0**-15
+# More "channels" than this is a [samples, channels] array (soundfile.read's layout) passed untransposed.
+MAX_CHANNELS = 64
+
+AudioSource = Union[str, "os.PathLike[str]", BinaryIO]
+
+
+class AudioError(ValueError):
+    """A recording that cannot be transcribed: missing, not audio, empty or silent. The message starts
+    with the file's (or argument's) name."""
+
+
+def source_name(source: AudioSource) -> str:
+    """What messages call ``source``: the path as given, or the file object's ``name`` (``<stdin>``)."""
+    if isinstance(source, (str, os.PathLike)):
+        return os.fspath(source)
+    return str(getattr(source, "name", "<stream>"))
+
+
+def read_audio(source: AudioSource, *, name: str | None = None) -> tuple[Tensor, int]:
+    """Read a recording: its samples and its sample rate.
+
+    Any sample rate and channel count; WAV with 8-bit (unsigned), 16/24/32-bit integer or 32/64-bit
+    float samples, and the other formats libsndfile reads (FLAC, OGG/Vorbis, AIFF...). Integer samples
+    are scaled to [-1, 1) as libsndfile does (divided by 2^(bits-1)).
+
+    Args:
+        source: a path, or a binary file object (read to its end, so a pipe such as standard input works).
+        name: what error messages call the recording (default: the path, or the file object's ``name``).
+
+    Returns:
+        waveform ``[channels, samples]`` float32, and the sample rate in Hz.
+
+    Raises:
+        AudioError: no such file, not a recording libsndfile reads, no samples (empty), non-finite
+            samples, or silent (every sample at most :data:`SILENCE_PEAK` in magnitude).
+
+    Example::
+
+        >>> waveform, rate = read_audio("speech.wav")   # doctest: +SKIP
+        >>> waveform.shape, rate
+        (torch.Size([2, 35280]), 44100)
+    """
+    import soundfile  # a runtime dependency, imported here so training never loads libsndfile
+
+    label = name if name is not None else source_name(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.exists():
+            raise AudioError(f"{label}: no such file")
+        if not path.is_file():
+            raise AudioError(f"{label}: not a file")
+        target: str | BinaryIO = os.fspath(path)
+    else:
+        # libsndfile seeks: read streams (pipes cannot seek) to their end first
+        data = source.read()
+        if not data:
+            raise AudioError(f"{label}: empty input (0 bytes)")
+        target = io.BytesIO(data)
+    try:
+        # [samples, channels] float32
+        samples, rate = soundfile.read(target, dtype="float32", always_2d=True)
+    except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
+        reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
+        raise AudioError(f"{label}: not a readable audio file ({reason})") from None
+    except OSError as e:
+        raise AudioError(f"{label}: cannot read ({e.strerror or e})") from None
+    waveform = torch.from_numpy(np.ascontiguousarray(samples.T))  # [channels, samples]
+    _check_samples(waveform, label)
+    return waveform, int(rate)
+
+
+def _check_samples(waveform: Tensor, label: str) -> None:
+    if waveform.shape[-1] == 0:
+        raise AudioError(f"{label}: empty recording (0 samples)")
+    peak = float(waveform.abs().max())
+    if not math.isfinite(peak):
+        raise AudioError(f"{label}: the recording holds NaN or infinite samples")
+    if peak <= SILENCE_PEAK:
+        raise AudioError(
+            f"{label}: silent recording (peak amplitude {peak:.3g}, not above {SILENCE_PEAK:.3g}, one step "
+            "of 16-bit audio); nothing to transcribe"
+        )
+
+
+def to_model_input(
+    waveform: Tensor | np.ndarray, sample_rate: int, target_rate: int, *, name: str = "waveform"
+) -> Tensor:
+    """A recording as the model's input: channels averaged to mono, resampled to ``target_rate``.
+
+    Resampling is :func:`tandem.asr.features.resample` (windowed sinc with its cut-off below the lower
+    Nyquist frequency, so higher frequencies are filtered out rather than aliased).
+
+    Args:
+        waveform: ``[samples]`` or ``[channels, samples]`` float (tensor or numpy array; integer arrays
+            are taken as they are, so scale 16-bit PCM by 1/32768 first).
+        sample_rate: the waveform's rate in Hz.
+        target_rate: the model's rate in Hz (a checkpoint's ``FeatureConfig.sample_rate``).
+        name: what error messages call the waveform.
+
+    Returns:
+        ``[samples']`` float32, ``samples' = ceil(samples * target_rate / sample_rate)``.
+
+    Raises:
+        AudioError: empty, non-finite or silent (see :data:`SILENCE_PEAK`) after mixing to mono.
+        ValueError: a bad shape or rate, naming the argument.
+
+    Example::
+
+        >>> to_model_input(torch.randn(2, 44100), 44100, 8000).shape
+        torch.Size([8000])
+    """
+    if isinstance(sample_rate, bool) or int(sample_rate) != sample_rate or sample_rate <= 0:
+        raise ValueError(f"{name}: expected a positive integer sample_rate in Hz, got {sample_rate!r}")
+    x = torch.as_tensor(waveform)
+    if x.dim() not in (1, 2):
+        raise ValueError(f"{name}: expected [samples] or [channels, samples], got shape {list(x.shape)}")
+    if x.dim() == 2 and x.shape[0] > MAX_CHANNELS:
+        raise ValueError(
+            f"{name}: expected [channels, samples] with at most {MAX_CHANNELS} channels, got shape "
+            f"{list(x.shape)} (soundfile.read gives [samples, channels]: pass its transpose)"
+        )
+    if x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{name}: expected real samples, got dtype {x.dtype}")
+    x = x.to(torch.float32)
+    mono = x.mean(0) if x.dim() == 2 else x  # [samples]
+    _check_samples(mono, name)
+    return resample(mono, int(sample_rate), int(target_rate)).contiguous()

@@ -1,0 +1,166 @@
+"""Reading recordings and turning them into the model's input, against references we did not write:
+files written by soundfile in every WAV sample format, their integer samples decoded by Python's own
+``wave`` module, and resampling by scipy's polyphase resampler."""
+
+from __future__ import annotations
+
+import io
+import math
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.asr.audio import SILENCE_PEAK, AudioError, read_audio, to_model_input
+
+sf = pytest.importorskip("soundfile")
+scipy_signal = pytest.importorskip("scipy.signal")
+
+# soundfile subtype -> bytes per sample of the integer formats (None: float)
+SUBTYPES = {"PCM_U8": 1, "PCM_16": 2, "PCM_24": 3, "PCM_32": 4, "FLOAT": None, "DOUBLE": None}
+
+
+def _noise(samples: int, channels: int, seed: int = 0) -> np.ndarray:
+    """[samples, channels] float64 in [-0.9, 0.9], soundfile's layout."""
+    return np.random.default_rng(seed).uniform(-0.9, 0.9, (samples, channels))
+
+
+def _wave_samples(path) -> np.ndarray:
+    """[channels, samples] float64 of an integer PCM WAV, decoded from the raw frames that the standard
+    library's ``wave`` reads: unsigned 8-bit around 128, signed little-endian otherwise, over 2^(bits-1)."""
+    with wave.open(str(path)) as w:
+        width, channels, raw = w.getsampwidth(), w.getnchannels(), w.readframes(w.getnframes())
+    data = np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).astype(np.int64)
+    if width == 1:
+        values = data[:, 0] - 128
+    else:
+        values = sum(data[:, k] << (8 * k) for k in range(width))
+        values = np.where(values >= 1 << (8 * width - 1), values - (1 << (8 * width)), values)
+    return (values / float(1 << (8 * width - 1))).reshape(-1, channels).T
+
+
+@pytest.mark.parametrize("channels", [1, 2, 5], ids=lambda c: f"ch{c}")
+@pytest.mark.parametrize("subtype", list(SUBTYPES))
+def test_reads_every_wav_sample_format(tmp_path, subtype, channels):
+    rate = {1: 8000, 2: 44100, 5: 11025}[channels]
+    data = _noise(1234, channels)
+    path = tmp_path / f"{subtype}.wav"
+    sf.write(path, data, rate, subtype=subtype)
+    waveform, got_rate = read_audio(path)
+    assert got_rate == rate and waveform.dtype == torch.float32 and waveform.shape == (channels, 1234)
+    width = SUBTYPES[subtype]
+    if width is None:  # float samples: what was written, as float32
+        np.testing.assert_array_equal(waveform.numpy(), data.T.astype(np.float32))
+    else:
+        np.testing.assert_allclose(waveform.numpy(), _wave_samples(path), rtol=0, atol=1e-7)
+        # the written data within one quantization step, or float32's resolution for 32-bit samples
+        step = max(2.0 ** (1 - 8 * width), 2.0**-24)
+        np.testing.assert_allclose(waveform.numpy(), data.T, rtol=0, atol=step)
+
+
+def test_reads_streams_including_ones_that_cannot_seek(tmp_path):
+    data = _noise(500, 2)
+    buffer = io.BytesIO()
+    sf.write(buffer, data, 16000, format="WAV", subtype="PCM_16")
+
+    class Pipe(io.RawIOBase):  # what standard input is: read only, no seek
+        def __init__(self, payload: bytes) -> None:
+            self._inner = io.BytesIO(payload)
+            self.name = "<stdin>"
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b) -> int:
+            return self._inner.readinto(b)
+
+    waveform, rate = read_audio(io.BufferedReader(Pipe(buffer.getvalue())))
+    path = tmp_path / "same.wav"
+    path.write_bytes(buffer.getvalue())
+    assert rate == 16000 and torch.equal(waveform, read_audio(path)[0])
+
+
+def _silence(n: int, level: float) -> np.ndarray:
+    x = np.zeros((n, 1))
+    x[::7] = level
+    return x
+
+
+@pytest.mark.parametrize(
+    "kind, make, expected",
+    [
+        pytest.param("missing", None, "no such file", id="missing"),
+        pytest.param("directory", None, "not a file", id="directory"),
+        pytest.param("text", b"hello, I am not a recording\n", "not a readable audio file", id="text"),
+        pytest.param("header", b"RIFF\x24\x00\x00\x00WAVEfmt ", "not a readable audio file", id="header"),
+        pytest.param("empty", np.zeros((0, 2)), "empty recording (0 samples)", id="0-samples"),
+        pytest.param("zeros", np.zeros((8000, 1)), "silent recording", id="all-zero"),
+        pytest.param("lsb", _silence(8000, 2.0**-15), "silent recording", id="16-bit-lsb"),
+        pytest.param("nan", np.full((100, 1), np.nan), "NaN or infinite", id="nan"),
+    ],
+)
+def test_bad_files_raise_audio_errors_naming_the_file(tmp_path, kind, make, expected):
+    path = tmp_path / f"{kind}.wav"
+    if kind == "directory":
+        path.mkdir()
+    elif isinstance(make, bytes):
+        path.write_bytes(make)
+    elif make is not None:
+        sf.write(path, make, 8000, subtype="FLOAT" if kind == "nan" else "PCM_16")
+    with pytest.raises(AudioError) as info:
+        read_audio(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and expected in message and "\n" not in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_the_silence_rule_is_one_16_bit_step(tmp_path):
+    """Every sample at most 2^-15 in magnitude is silence; two steps is a (very quiet) recording."""
+    assert SILENCE_PEAK == 2.0**-15
+    quiet = tmp_path / "quiet.wav"
+    sf.write(quiet, _silence(8000, 2 * 2.0**-15), 8000, subtype="PCM_16")
+    waveform, _ = read_audio(quiet)
+    assert float(waveform.abs().max()) == 2 * 2.0**-15
+    with pytest.raises(AudioError, match="^<stdin>: empty input"):
+        read_audio(io.BytesIO(b""), name="<stdin>")
+
+
+def _tones(rate: int, samples: int, freqs: tuple[float, ...]) -> np.ndarray:
+    t = np.arange(samples) / rate
+    return sum(np.sin(2 * np.pi * f * t + k) for k, f in enumerate(freqs)) / len(freqs)
+
+
+@pytest.mark.parametrize("rate", [16000, 44100, 8000])
+def test_to_model_input_mixes_to_mono_and_resamples_like_scipy(rate):
+    """Two channels of different tones (one above the 4 kHz that 8 kHz holds) become their average,
+    resampled: scipy's resample_poly of the average, inside the pass band and away from the edges."""
+    n = rate // 2
+    high = 3500.0 if rate == 8000 else 6000.0
+    stereo = np.stack([_tones(rate, n, (300.0, 2500.0)), _tones(rate, n, (1000.0, high))])
+    out = to_model_input(torch.from_numpy(stereo), rate, 8000)
+    assert out.dtype == torch.float32 and out.shape == (math.ceil(n * 8000 / rate),)
+    g = math.gcd(rate, 8000)
+    theirs = scipy_signal.resample_poly(stereo.mean(0), 8000 // g, rate // g)
+    inner = slice(len(out) // 8, -len(out) // 8)
+    np.testing.assert_allclose(out.numpy()[inner], theirs[inner], rtol=0, atol=5e-3)
+    # numpy arrays, float64 or float32, and 1-D input give the same
+    assert torch.equal(to_model_input(stereo.astype(np.float32), rate, 8000), out)
+    mono = to_model_input(stereo.mean(0), rate, 8000)
+    torch.testing.assert_close(mono, out, rtol=0, atol=1e-6)
+
+
+def test_to_model_input_errors_name_the_argument():
+    x = torch.randn(2, 1000)
+    shape = r"^clip: expected \[samples\] or \[channels, samples\], got shape \[1, 2, 1000\]"
+    with pytest.raises(ValueError, match=shape):
+        to_model_input(x[None], 8000, 8000, name="clip")
+    with pytest.raises(ValueError, match=r"at most 64 channels, got shape \[1000, 2\].*transpose"):
+        to_model_input(x.T, 8000, 8000)
+    for rate in (0, 8000.5, True, -8000):
+        with pytest.raises(ValueError, match="expected a positive integer sample_rate"):
+            to_model_input(x, rate, 8000)
+    with pytest.raises(AudioError, match=r"^waveform: empty recording"):
+        to_model_input(torch.zeros(2, 0), 8000, 8000)
+    with pytest.raises(AudioError, match=r"^waveform: silent recording"):
+        to_model_input(torch.stack([x[0], -x[0]]), 8000, 8000)  # channels that cancel: silence in mono
