@@ -1,7 +1,7 @@
 """``tandem.asr``: the main job's application, a DeepSpeech-style speech recognizer built from tandem's
 parts (see ``shared/DESIGN.md``): the bundled recordings and the connected-digit generator, log-mel
-features, the model, CTC decoding, error rates, training, and reading recordings
-(:mod:`tandem.asr.audio`)."""
+features, the model, CTC decoding, error rates, training, reading recordings
+(:mod:`tandem.asr.audio`) and transcribing them (:class:`Recognizer`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tandem.asr.features import FeatureConfig, LogMel, mel_filterbank, resample
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
 from tandem.asr.metrics import ErrorRates, edit_distance, error_rates
 from tandem.asr.model import TANDEM_PARTS, TORCH_PARTS, DeepSpeech2, ModelConfig, Parts
+from tandem.asr.recognizer import FileTranscript, Recognizer
 from tandem.asr.text import ENGLISH, Alphabet
 
 __all__ = [
@@ -24,9 +25,11 @@ __all__ = [
     "ENGLISH",
     "ErrorRates",
     "FeatureConfig",
+    "FileTranscript",
     "LogMel",
     "ModelConfig",
     "Parts",
+    "Recognizer",
     "Recordings",
     "TANDEM_PARTS",
     "TORCH_PARTS",

@@ -1,0 +1,251 @@
+"""Inference: a trained recognizer rebuilt from its checkpoint alone, audio in, text out.
+
+``Recognizer.from_checkpoint(path)`` reads the self-describing checkpoint that ``tandem train`` writes
+(model configuration, feature settings, alphabet, weights; :mod:`tandem.asr.checkpoint`) and transcribes
+waveforms or files: each recording mixed to mono and resampled to the rate the model was trained at,
+log-mel features, the model in eval mode without autograd, greedy CTC decoding. Recordings are batched
+longest first, so each batch holds recordings of similar length; in eval mode a recording's transcript
+does not depend on what it is batched with.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tandem.asr.audio import AudioError, AudioSource, read_audio, source_name, to_model_input
+from tandem.asr.checkpoint import CheckpointError, load_checkpoint
+from tandem.asr.decode import greedy_decode
+from tandem.asr.features import FeatureConfig, LogMel
+from tandem.asr.model import TANDEM_PARTS, TORCH_PARTS, DeepSpeech2, ModelConfig
+from tandem.asr.text import Alphabet
+
+__all__ = ["FileTranscript", "Recognizer"]
+
+Waveform = Tensor | np.ndarray
+
+
+@dataclass(frozen=True)
+class FileTranscript:
+    """What :meth:`Recognizer.transcribe_files` made of one file.
+
+    ``text`` is the transcript, or None with ``error`` (an :class:`~tandem.asr.audio.AudioError`'s
+    message, naming the file) when the file could not be transcribed. ``audio_seconds`` is the
+    recording's duration (0 on error); ``seconds`` the time spent on it: reading and resampling it, plus
+    its share (by length) of its batch's features, model and decoding."""
+
+    source: str
+    text: str | None
+    audio_seconds: float = 0.0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"Recognizer: device {str(dev)!r} was asked for, but CUDA is not available")
+    return dev
+
+
+class Recognizer:
+    """A trained speech recognizer: waveforms or files in, transcripts out.
+
+    Args:
+        model: the acoustic model (put in eval mode; it stays on its device).
+        features: the feature settings it was trained with (their ``sample_rate`` is the model's rate).
+        alphabet: its output classes.
+
+    Example::
+
+        >>> rec = Recognizer.from_checkpoint("runs/asr/checkpoint.pt")      # doctest: +SKIP
+        >>> waveform, rate = read_audio("four_two.wav")   # [channels, samples] float32, its rate in Hz
+        >>> rec.transcribe(waveform, rate)
+        'four two'
+        >>> rec.transcribe_batch([clip_a, clip_b], sample_rate=16000)  # 1-D or [C, S], numpy or torch
+        ['one', 'seven three']
+        >>> for r in rec.transcribe_files(["a.wav", "b.wav"], batch_size=16):
+        ...     print(r.source, r.text, r.error)
+        a.wav one None
+        b.wav None b.wav: silent recording (peak amplitude 0, ...); nothing to transcribe
+    """
+
+    def __init__(self, model: DeepSpeech2, features: FeatureConfig, alphabet: Alphabet) -> None:
+        if model.config.n_classes != len(alphabet):
+            raise ValueError(
+                f"Recognizer: expected a model with {len(alphabet)} classes (the alphabet's, blank "
+                f"included), got n_classes={model.config.n_classes}"
+            )
+        if model.config.n_mels != features.n_mels:
+            raise ValueError(
+                f"Recognizer: expected features of {model.config.n_mels} mel bands (the model's n_mels), "
+                f"got n_mels={features.n_mels}"
+            )
+        self.model = model.eval()
+        self.features = features
+        self.alphabet = alphabet
+        self.device = next(model.parameters()).device
+        self.logmel = LogMel(features).to(self.device)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike[str], device: str | torch.device = "cpu") -> Recognizer:
+        """The recognizer saved in ``path`` by ``tandem train``, on ``device`` (``"cpu"``, ``"cuda"``,
+        ``"cuda:1"``, or ``"auto"``: CUDA when there is one).
+
+        Raises:
+            CheckpointError: ``path`` is missing, truncated, of another kind (a ``--task classify``
+                checkpoint) or version, or its settings and weights do not make a recognizer; the
+                message names the file.
+            ValueError: ``device`` is CUDA and there is none.
+        """
+        dev = _resolve_device(device)
+        state = load_checkpoint(path, map_location="cpu")
+        try:
+            config = ModelConfig(**state["model_config"])
+            features = FeatureConfig(**state["feature_config"])
+            alphabet = Alphabet(state["alphabet"])
+            model = DeepSpeech2(config, TANDEM_PARTS)
+            model.load_state_dict(state["model"])
+            recognizer = cls(model, features, alphabet)
+        except (TypeError, ValueError, KeyError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{Path(path)}: does not make a recognizer: {first}") from None
+        return recognizer.to(dev)
+
+    def to(self, device: str | torch.device) -> Recognizer:
+        """Move the model and feature extractor to ``device`` (in place); returns self."""
+        dev = _resolve_device(device)
+        self.model.to(dev)
+        self.logmel.to(dev)
+        self.device = dev
+        return self
+
+    @property
+    def sample_rate(self) -> int:
+        """The rate the model was trained at; input at other rates is resampled to it."""
+        return int(self.features.sample_rate)
+
+    # ---- waveforms
+
+    def transcribe(self, waveform: Waveform, sample_rate: int) -> str:
+        """The transcript of one recording.
+
+        Args:
+            waveform: ``[samples]`` or ``[channels, samples]`` float, a tensor or numpy array (channels
+                are averaged).
+            sample_rate: its rate in Hz (explicit: never guessed).
+
+        Raises:
+            AudioError: an empty or silent recording (see :func:`tandem.asr.audio.to_model_input`).
+        """
+        return self._decode([to_model_input(waveform, sample_rate, self.sample_rate)])[0][0]
+
+    def transcribe_batch(
+        self, waveforms: Sequence[Waveform], sample_rate: int | Sequence[int], *, batch_size: int = 32
+    ) -> list[str]:
+        """Transcripts of several recordings, in their order, computed ``batch_size`` at a time.
+
+        Args:
+            waveforms: recordings as :meth:`transcribe` takes them, of any lengths.
+            sample_rate: one rate (Hz) for all of them, or one per recording.
+            batch_size: recordings per forward pass (longest first; the result is the same for any).
+
+        Raises:
+            AudioError: an empty or silent recording, named ``waveforms[i]``.
+        """
+        _check_batch_size(batch_size)
+        rates = [sample_rate] * len(waveforms) if isinstance(sample_rate, int) else list(sample_rate)
+        if len(rates) != len(waveforms):
+            raise ValueError(
+                f"transcribe_batch: expected one sample_rate or {len(waveforms)} (one per waveform), "
+                f"got {len(rates)}"
+            )
+        mono = [
+            to_model_input(w, r, self.sample_rate, name=f"waveforms[{i}]")
+            for i, (w, r) in enumerate(zip(waveforms, rates))
+        ]
+        return self._decode(mono, batch_size)[0]
+
+    # ---- files
+
+    def iter_transcribe_files(
+        self, files: Sequence[AudioSource], batch_size: int = 16
+    ) -> Iterator[FileTranscript]:
+        """:meth:`transcribe_files` one result at a time, in order, as each group of ``batch_size``
+        files is done (only that group's audio is in memory)."""
+        _check_batch_size(batch_size)
+        for start in range(0, len(files), batch_size):
+            group = [(source, source_name(source)) for source in files[start : start + batch_size]]
+            done: dict[int, FileTranscript] = {}
+            read: list[tuple[int, Tensor, float, float]] = []  # (index, mono, audio seconds, seconds)
+            for i, (source, name) in enumerate(group):
+                began = time.perf_counter()
+                try:
+                    waveform, rate = read_audio(source, name=name)
+                    mono = to_model_input(waveform, rate, self.sample_rate, name=name)
+                except AudioError as e:
+                    done[i] = FileTranscript(name, None, error=str(e))
+                    continue
+                read.append((i, mono, waveform.shape[-1] / rate, time.perf_counter() - began))
+            texts, seconds = self._decode([m for _, m, _, _ in read], batch_size)
+            total = sum(len(m) for _, m, _, _ in read)
+            for (i, mono, duration, reading), text in zip(read, texts):
+                # the batch's time shared by length, as its features and recurrent steps are
+                share = seconds * len(mono) / total
+                done[i] = FileTranscript(group[i][1], text, audio_seconds=duration, seconds=reading + share)
+            yield from (done[i] for i in range(len(group)))
+
+    def transcribe_files(self, files: Sequence[AudioSource], batch_size: int = 16) -> list[FileTranscript]:
+        """Read and transcribe ``files`` (paths, or binary file objects such as ``sys.stdin.buffer``),
+        ``batch_size`` at a time. A file that cannot be transcribed (missing, not audio, empty, silent)
+        gets a result with its ``error`` instead of stopping the others.
+
+        Returns:
+            one :class:`FileTranscript` per file, in the order of ``files``.
+        """
+        return list(self.iter_transcribe_files(files, batch_size))
+
+    # ---- the model
+
+    def to_torch(self) -> DeepSpeech2:
+        """The same network built from torch's modules (torch.nn.GRU/LSTM, BatchNorm1d) with these
+        weights, in eval mode on the same device: for export or deployment without tandem's kernels.
+
+        Example::
+
+            >>> net = rec.to_torch()                            # doctest: +SKIP
+            >>> log_probs, out_frames = net(features, frames)   # [T', B, K], [B]
+        """
+        net = DeepSpeech2(self.model.config, TORCH_PARTS).to(self.device)
+        net.load_state_dict(self.model.state_dict())
+        return net.eval()
+
+    @torch.inference_mode()
+    def _decode(self, mono: list[Tensor], batch_size: int = 32) -> tuple[list[str], float]:
+        """Transcripts of mono waveforms at the model's rate (in their order) and the seconds it took."""
+        began = time.perf_counter()
+        order = sorted(range(len(mono)), key=lambda i: -len(mono[i]))
+        texts: list[str] = [""] * len(mono)
+        for start in range(0, len(order), batch_size):
+            chosen = order[start : start + batch_size]
+            lengths = torch.tensor([len(mono[i]) for i in chosen])
+            padded = torch.nn.utils.rnn.pad_sequence([mono[i] for i in chosen], batch_first=True)
+            features, frames = self.logmel(padded.to(self.device), lengths)  # [B, T, n_mels], [B]
+            log_probs, out_frames = self.model(features, frames)  # [T', B, K], [B]
+            for i, text in zip(chosen, greedy_decode(log_probs, out_frames, self.alphabet)):
+                texts[i] = text
+        return texts, time.perf_counter() - began
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"Recognizer: expected a positive integer batch_size, got {batch_size!r}")

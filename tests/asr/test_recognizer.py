@@ -1,0 +1,253 @@
+"""The Recognizer's contract: its transcripts are greedy CTC decoding of the checkpoint's model run on
+LogMel features of the same audio (computed here directly, one utterance at a time), whatever the
+batching, the input rate or the channel count; ``to_torch`` is the same network from torch.nn modules;
+a checkpoint that is not a recognizer is refused, naming the file."""
+
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+
+import tandem
+from tandem.asr import (
+    ENGLISH,
+    Alphabet,
+    AudioError,
+    ConnectedDigits,
+    DeepSpeech2,
+    FeatureConfig,
+    LogMel,
+    ModelConfig,
+    Recognizer,
+    greedy_decode,
+    load_spoken_digits,
+    split_recordings,
+)
+from tandem.asr.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+sf = pytest.importorskip("soundfile")
+scipy_signal = pytest.importorskip("scipy.signal")
+
+SMALL = dict(hidden=32, layers=2, conv_channels=8)
+
+
+@lru_cache(maxsize=1)
+def _utterances() -> tuple[torch.Tensor, ...]:
+    """Eight connected-digit test utterances (8 kHz, 0.5 to 4 s), real recorded speech."""
+    recordings = load_spoken_digits()
+    _, test = split_recordings(recordings)
+    digits = ConnectedDigits(recordings, test)
+    return tuple(digits.render(u) for u in digits.plan(seed=0)[:8])
+
+
+def _model(cell: str = "gru", seed: int = 1) -> DeepSpeech2:
+    """An untrained model whose outputs vary from frame to frame (a fresh one says one letter
+    throughout): its batch norms hold statistics of real features, not the initial 0 and 1, and its
+    output layer's weights are ten times their initial size."""
+    torch.manual_seed(seed)
+    model = DeepSpeech2(ModelConfig(**SMALL, cell=cell))
+    audio = list(_utterances())
+    waveforms = torch.nn.utils.rnn.pad_sequence(audio, batch_first=True)
+    with torch.no_grad():
+        model.train()(*LogMel()(waveforms, torch.tensor([len(a) for a in audio])))
+        model.head.weight.mul_(10.0)
+    return model.eval()
+
+
+def _state(model: DeepSpeech2) -> dict:
+    return {
+        "model_config": model.config.to_dict(),
+        "feature_config": FeatureConfig().to_dict(),
+        "alphabet": ENGLISH.characters,
+        "model": model.state_dict(),
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recognizer") / "checkpoint.pt"
+    save_checkpoint(_state(_model()), path)
+    return path
+
+
+def _direct(path, audio: list[torch.Tensor]) -> list[str]:
+    """What the checkpoint's model says about 8 kHz mono ``audio``, one utterance at a time, built here
+    from the checkpoint's parts without the Recognizer."""
+    state = load_checkpoint(path)
+    model = DeepSpeech2(ModelConfig(**state["model_config"]))
+    model.load_state_dict(state["model"])
+    model.eval()
+    logmel, alphabet = LogMel(FeatureConfig(**state["feature_config"])), Alphabet(state["alphabet"])
+    texts = []
+    with torch.no_grad():
+        for a in audio:
+            log_probs, frames = model(*logmel(a[None], torch.tensor([len(a)])))
+            texts += greedy_decode(log_probs, frames, alphabet)
+    return texts
+
+
+def test_transcripts_are_the_models_greedy_decoding_of_logmel(checkpoint):
+    audio = list(_utterances())
+    expected = _direct(checkpoint, audio)
+    # not a vacuous comparison: transcripts that differ, each one where every frame counts
+    assert len(set(expected)) >= 6 and all(expected) and len(set("".join(expected))) >= 3, expected
+    rec = Recognizer.from_checkpoint(checkpoint)
+    assert rec.sample_rate == 8000 and not rec.model.training
+    assert [rec.transcribe(a, 8000) for a in audio] == expected
+    assert [rec.transcribe(a.numpy().astype(np.float64), 8000) for a in audio[:2]] == expected[:2]
+    assert rec.transcribe_batch(audio, 8000) == expected
+    # two identical channels are the mono recording
+    assert [rec.transcribe(torch.stack([a, a]), 8000) for a in audio[:3]] == expected[:3]
+
+
+@pytest.mark.parametrize("rate", [16000, 44100])
+def test_other_rates_are_resampled_to_the_models(checkpoint, rate):
+    """Audio brought to ``rate`` by scipy: the transcript of what tandem's resampler makes of it at the
+    model's 8 kHz."""
+    audio = list(_utterances())
+    g = np.gcd(rate, 8000)
+    high = [torch.from_numpy(scipy_signal.resample_poly(a.numpy(), rate // g, 8000 // g)) for a in audio]
+    rec = Recognizer.from_checkpoint(checkpoint)
+    got = rec.transcribe_batch(high, rate)
+    assert got == _direct(checkpoint, [tandem.asr.resample(h.float(), rate, 8000) for h in high])
+    assert rec.transcribe(high[0].numpy(), rate) == got[0]
+
+
+def test_batching_does_not_change_the_transcripts(checkpoint):
+    audio = list(_utterances())
+    rates = [8000, 16000] * 4
+    mixed = [a if r == 8000 else tandem.asr.resample(a, 8000, 16000) for a, r in zip(audio, rates)]
+    rec = Recognizer.from_checkpoint(checkpoint)
+    one_by_one = [rec.transcribe(m, r) for m, r in zip(mixed, rates)]
+    for batch_size in (1, 3, 8, 64):
+        assert rec.transcribe_batch(mixed, rates, batch_size=batch_size) == one_by_one
+
+
+def test_transcribe_batch_errors_name_the_waveform(checkpoint):
+    rec = Recognizer.from_checkpoint(checkpoint)
+    audio = list(_utterances())[:2]
+    with pytest.raises(AudioError, match=r"^waveforms\[1\]: silent recording"):
+        rec.transcribe_batch([audio[0], torch.zeros(4000)], 8000)
+    with pytest.raises(AudioError, match=r"^waveform: empty recording"):
+        rec.transcribe(np.zeros(0), 8000)
+    with pytest.raises(ValueError, match="expected one sample_rate or 2 .one per waveform., got 3"):
+        rec.transcribe_batch(audio, [8000, 8000, 8000])
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="expected a positive integer batch_size"):
+            rec.transcribe_batch(audio, 8000, batch_size=bad)
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_to_torch_is_the_same_network_from_torch_modules(cell):
+    rec = Recognizer(_model(cell), FeatureConfig(), ENGLISH)
+    net = rec.to_torch()
+    rnn = {"gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cell]
+    assert all(type(m) is rnn for m in net.rnns) and all(
+        type(m) is torch.nn.BatchNorm1d for m in net.rnn_norms
+    )
+    assert not any(type(m).__module__.startswith("tandem.nn") for m in net.modules())
+    assert not net.training and all(not m.training for m in net.modules())
+    audio = list(_utterances())
+    waveforms = torch.nn.utils.rnn.pad_sequence(audio, batch_first=True)
+    features, frames = LogMel()(waveforms, torch.tensor([len(a) for a in audio]))
+    with torch.no_grad():
+        ours, ours_frames = rec.model(features, frames)
+        theirs, theirs_frames = net(features, frames)
+    assert torch.equal(ours_frames, theirs_frames)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert greedy_decode(theirs, theirs_frames, ENGLISH) == rec.transcribe_batch(audio, 8000)
+
+
+def _write(path, data: np.ndarray, rate: int, subtype: str):
+    sf.write(path, data, rate, subtype=subtype)
+    return path
+
+
+def test_transcribe_files_in_order_with_errors_in_place(tmp_path, checkpoint):
+    audio = list(_utterances())[:3]
+    rec = Recognizer.from_checkpoint(checkpoint)
+    expected = rec.transcribe_batch(audio, 8000)
+    stereo = scipy_signal.resample_poly(audio[1].numpy(), 441, 80)
+    files = [
+        _write(tmp_path / "a.wav", audio[0].numpy(), 8000, "FLOAT"),
+        tmp_path / "missing.wav",
+        _write(tmp_path / "b.wav", np.stack([stereo, stereo], 1), 44100, "FLOAT"),
+        _write(tmp_path / "silent.wav", np.zeros(800), 8000, "PCM_16"),
+        str(_write(tmp_path / "c.wav", audio[2].numpy(), 8000, "PCM_24")),
+    ]
+    stream = io.BytesIO((tmp_path / "a.wav").read_bytes())
+    for batch_size in (1, 2, 16):
+        results = rec.transcribe_files([*files, stream], batch_size=batch_size)
+        stream.seek(0)
+        assert [r.source for r in results] == [str(f) for f in files] + ["<stream>"]
+        assert [r.text for r in results] == [
+            expected[0], None, rec.transcribe(np.stack([stereo, stereo]), 44100), None, results[4].text,
+            expected[0],
+        ]  # fmt: skip
+        assert results[4].text == rec.transcribe(sf.read(files[4], dtype="float32")[0], 8000)
+        assert results[1].error == f"{files[1]}: no such file"
+        assert results[3].error.startswith(f"{files[3]}: silent recording")
+        assert [round(r.audio_seconds, 6) for r in results] == [
+            round(len(audio[0]) / 8000, 6), 0.0, round(len(stereo) / 44100, 6), 0.0,
+            round(len(audio[2]) / 8000, 6), round(len(audio[0]) / 8000, 6),
+        ]  # fmt: skip
+        assert all(r.seconds > 0 for r in results if r.error is None)
+
+
+def _classify_checkpoint(path):
+    """What ``tandem train --task classify`` writes (src/tandem/cli/_train_worker.py)."""
+    model = torch.nn.Linear(12, 9)
+    state = {"model": model.state_dict(), "optimizer": {}, "epoch": 3, "history": [], "train_seconds": 1.0}
+    torch.save({**state, "config": {"task": "classify", "hidden": 64}}, path)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "no such file"),
+        ("truncated", "not a readable checkpoint (truncated or corrupt?)"),
+        ("text", "not a readable checkpoint (truncated or corrupt?)"),
+        ("classify", "not a speech-recognizer checkpoint"),
+        ("newer", "checkpoint version 2, this tandem reads version 1"),
+        ("other-weights", "does not make a recognizer"),
+        ("other-alphabet", "does not make a recognizer"),
+        ("bad-config", "does not make a recognizer"),
+    ],
+)
+def test_checkpoints_that_are_not_recognizers_are_refused_naming_the_file(
+    tmp_path, checkpoint, case, expected
+):
+    path = tmp_path / f"{case}.pt"
+    state = torch.load(checkpoint, weights_only=True)
+    if case == "truncated":
+        data = checkpoint.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif case == "text":
+        path.write_text("hello\n")
+    elif case == "classify":
+        _classify_checkpoint(path)
+    elif case == "newer":
+        torch.save({**state, "version": 2}, path)
+    elif case == "other-weights":
+        torch.save({**state, "model_config": {**state["model_config"], "hidden": 48}}, path)
+    elif case == "other-alphabet":
+        torch.save({**state, "alphabet": "abc"}, path)
+    elif case == "bad-config":
+        torch.save({**state, "model_config": {**state["model_config"], "cell": "rnn"}}, path)
+    with pytest.raises(CheckpointError) as info:
+        Recognizer.from_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and expected in message and "\n" not in message
+    if case == "classify":
+        assert "--task classify" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
+def test_cuda_without_cuda_is_a_clear_error(checkpoint):
+    with pytest.raises(ValueError, match="device 'cuda' was asked for, but CUDA is not available"):
+        Recognizer.from_checkpoint(checkpoint, device="cuda")
+    assert Recognizer.from_checkpoint(checkpoint, device="auto").device == torch.device("cpu")
