@@ -1,4 +1,4 @@
-"""``tandem`` / ``python -m tandem``: the command line (subcommands train, bench)."""
+"""``tandem`` / ``python -m tandem``: the command line (subcommands train, transcribe, bench)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shlex
 import sys
 
 import tandem
-from tandem.cli import bench, train
+from tandem.cli import bench, train, transcribe
 
 __all__ = ["build_parser", "main"]
 
@@ -16,9 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``tandem`` parser; each subcommand's module adds its options and runs it."""
     parser = argparse.ArgumentParser(prog="tandem", description="tandem: fast training of recurrent models.")
     parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,transcribe,bench}")
     for name, module, summary in (
         ("train", train, "train a speech model (Japanese Vowels or --data), data-parallel"),
+        ("transcribe", transcribe, "transcribe recordings with a trained recognizer: path<TAB>text"),
         ("bench", bench, "time tandem against PyTorch: table, CSV, chart"),
     ):
         sub = commands.add_parser(name, help=summary, description=module.DESCRIPTION)

@@ -1,0 +1,237 @@
+"""``tandem transcribe``: one line per file in argument order, the Recognizer's transcripts; a bad file
+is one line on stderr naming it (exit status 1) while the others are transcribed; a bad checkpoint is
+one line and exit status 2 with nothing transcribed; ``-`` is standard input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.asr import (
+    ENGLISH,
+    ConnectedDigits,
+    DeepSpeech2,
+    FeatureConfig,
+    ModelConfig,
+    Recognizer,
+    load_spoken_digits,
+    split_recordings,
+)
+from tandem.asr.checkpoint import save_checkpoint
+from tandem.cli.main import main
+
+sf = pytest.importorskip("soundfile")
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A checkpoint of a small untrained model, three recordings of real speech (8 kHz PCM-16 mono,
+    16 kHz float stereo, 44.1 kHz 24-bit) and the Recognizer's transcripts of them."""
+    root = tmp_path_factory.mktemp("transcribe")
+    torch.manual_seed(0)
+    model = DeepSpeech2(ModelConfig(hidden=16, layers=1, conv_channels=4))
+    state = {
+        "model_config": model.config.to_dict(),
+        "feature_config": FeatureConfig().to_dict(),
+        "alphabet": ENGLISH.characters,
+        "model": model.state_dict(),
+    }
+    save_checkpoint(state, root / "checkpoint.pt")
+    recordings = load_spoken_digits()
+    digits = ConnectedDigits(recordings, split_recordings(recordings)[1])
+    audio = [digits.render(u).numpy() for u in digits.plan(seed=1)[:3]]
+    files = [root / "a.wav", root / "b.wav", root / "c.wav"]
+    sf.write(files[0], audio[0], 8000, subtype="PCM_16")
+    b = np.repeat(audio[1], 2)  # 16 kHz by repetition: the content does not matter here
+    sf.write(files[1], np.stack([b, 0.5 * b], 1), 16000, subtype="FLOAT")
+    sf.write(files[2], np.repeat(audio[2], 5), 40000, subtype="PCM_24")
+    texts = [r.text for r in Recognizer.from_checkpoint(root / "checkpoint.pt").transcribe_files(files)]
+    assert all(t is not None for t in texts)
+    return root, [str(f) for f in files], texts
+
+
+def _run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    code = main(["transcribe", *argv])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err.splitlines()
+
+
+def test_one_line_per_file_in_argument_order(setup, capsys):
+    root, files, texts = setup
+    order = [2, 0, 1, 0]
+    for batch_size in ("1", "3"):
+        code, out, err = _run(
+            capsys,
+            "--model",
+            str(root / "checkpoint.pt"),
+            "--batch-size",
+            batch_size,
+            *(files[i] for i in order),
+        )
+        assert (code, err) == (0, [])
+        assert out == [f"{files[i]}\t{texts[i]}" for i in order]
+
+
+def test_json_lines(setup, capsys):
+    root, files, texts = setup
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "--json", *files)
+    assert (code, err) == (0, [])
+    records = [json.loads(line) for line in out]
+    assert [set(r) for r in records] == [{"path", "text", "audio_seconds", "compute_seconds"}] * 3
+    assert [(r["path"], r["text"]) for r in records] == list(zip(files, texts))
+    durations = [sf.info(f).duration for f in files]
+    assert [r["audio_seconds"] for r in records] == pytest.approx(durations, abs=1e-4)
+    assert all(r["compute_seconds"] > 0 for r in records)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "no such file"),
+        ("not-audio", "not a readable audio file"),
+        ("empty", "empty recording (0 samples)"),
+        ("silent", "silent recording"),
+        ("directory", "not a file"),
+    ],
+)
+def test_a_bad_file_is_named_on_stderr_and_the_others_are_transcribed(
+    setup, capsys, tmp_path, case, expected
+):
+    root, files, texts = setup
+    bad = tmp_path / f"{case}.wav"
+    if case == "not-audio":
+        bad.write_text("this is a text file\n")
+    elif case == "empty":
+        sf.write(bad, np.zeros(0), 8000, subtype="PCM_16")
+    elif case == "silent":
+        sf.write(bad, np.zeros(16000), 16000, subtype="PCM_16")
+    elif case == "directory":
+        bad.mkdir()
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), files[0], str(bad), files[2])
+    assert code == 1
+    assert out == [f"{files[0]}\t{texts[0]}", f"{files[2]}\t{texts[2]}"]
+    assert len(err) == 1 and err[0].startswith(f"tandem transcribe: error: {bad}: ") and expected in err[0]
+
+
+def test_every_bad_file_gets_its_line(setup, capsys, tmp_path):
+    root, files, texts = setup
+    (tmp_path / "x.txt").write_text("x")
+    code, out, err = _run(
+        capsys, "--model", str(root / "checkpoint.pt"), "nope.wav", files[1], str(tmp_path / "x.txt")
+    )
+    assert code == 1 and out == [f"{files[1]}\t{texts[1]}"]
+    assert [e.split(": ")[2] for e in err] == ["nope.wav", str(tmp_path / "x.txt")]
+
+
+def _classify_checkpoint(path: Path) -> None:
+    """What ``tandem train --task classify`` writes (src/tandem/cli/_train_worker.py)."""
+    state = {"model": torch.nn.Linear(12, 9).state_dict(), "optimizer": {}, "epoch": 3, "history": []}
+    torch.save({**state, "config": {"task": "classify"}, "train_seconds": 1.0}, path)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("classify", "not a speech-recognizer checkpoint"),
+        ("truncated", "not a readable checkpoint (truncated or corrupt?)"),
+        ("missing", "no such file"),
+        ("text", "not a readable checkpoint (truncated or corrupt?)"),
+    ],
+)
+def test_a_checkpoint_that_is_not_a_recognizer_is_exit_2_and_nothing_is_transcribed(
+    setup, capsys, tmp_path, case, expected
+):
+    root, files, _ = setup
+    model = tmp_path / f"{case}.pt"
+    if case == "classify":
+        _classify_checkpoint(model)
+    elif case == "truncated":
+        model.write_bytes((root / "checkpoint.pt").read_bytes()[:-1000])
+    elif case == "text":
+        model.write_text("not a checkpoint\n")
+    code, out, err = _run(capsys, "--model", str(model), *files)
+    assert (code, out) == (2, [])
+    assert (
+        len(err) == 1
+        and err[0].startswith(f"tandem transcribe: error: --model: {model}: ")
+        and expected in err[0]
+    )
+
+
+class _Stdin:
+    """``sys.stdin`` of a process fed ``data``: its binary ``buffer`` is named ``<stdin>``."""
+
+    class _Buffer(io.BytesIO):
+        name = "<stdin>"
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = self._Buffer(data)
+
+
+def test_standard_input(setup, capsys, monkeypatch):
+    root, files, texts = setup
+    monkeypatch.setattr(sys, "stdin", _Stdin(Path(files[1]).read_bytes()))
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), files[0], "-")
+    assert (code, err) == (0, []) and out == [f"{files[0]}\t{texts[0]}", f"-\t{texts[1]}"]
+    monkeypatch.setattr(sys, "stdin", _Stdin(b""))
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "-", files[2])
+    assert code == 1 and out == [f"{files[2]}\t{texts[2]}"]
+    assert err == ["tandem transcribe: error: <stdin>: empty input (0 bytes)"]
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "-", "-")
+    assert (code, out) == (2, []) and err == [
+        "tandem transcribe: error: - (standard input) can be given once"
+    ]
+
+
+def test_a_real_pipe_into_a_spawned_tandem(setup):
+    """``python -m tandem transcribe ... - < file.wav``: the bytes of a pipe, and the exit status."""
+    root, files, texts = setup
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem",
+            "transcribe",
+            "--model",
+            str(root / "checkpoint.pt"),
+            "-",
+            "gone.wav",
+        ],
+        input=Path(files[2]).read_bytes(),
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr.decode()
+    assert done.stdout.decode().splitlines() == [f"-\t{texts[2]}"]
+    assert done.stderr.decode().splitlines() == ["tandem transcribe: error: gone.wav: no such file"]
+
+
+def test_usage_errors(setup, capsys):
+    root, files, _ = setup
+    with pytest.raises(SystemExit) as info:
+        main(["transcribe", "--model", str(root / "checkpoint.pt"), "--batch-size", "0", files[0]])
+    assert info.value.code == 2 and "expected a positive integer, got 0" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "--device", "cuda", files[0])
+        assert (code, out) == (2, []) and err == [
+            "tandem transcribe: error: --device: Recognizer: device 'cuda' was asked for, "
+            "but CUDA is not available"
+        ]
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "transcribe" in capsys.readouterr().out
