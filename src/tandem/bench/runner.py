@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 # Modules tandem.bench.<name> that register an op; the ones not (yet) in this checkout are skipped.
-KNOWN_OPS: tuple[str, ...] = ("gru", "lstm", "adagrad", "syncbn", "ddp", "train")
+KNOWN_OPS: tuple[str, ...] = ("gru", "lstm", "adagrad", "syncbn", "ddp", "train", "transcribe")
 CSV_COLUMNS: tuple[str, ...] = (
     "op",
     "provider",
