@@ -17,6 +17,7 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 import tandem
 from tandem.asr.augment import Augmentation
-from tandem.asr.batch import collate
+from tandem.asr.batch import Batch, collate
 from tandem.asr.checkpoint import CheckpointError, CheckpointStore, atomic_write
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
@@ -35,6 +36,7 @@ from tandem.asr.distributed import Group, pick_device
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
 from tandem.asr.interrupt import StopRequests, die_with_parent
+from tandem.asr.manifest import Entry, ManifestError, ManifestSet, read_manifest
 from tandem.asr.metrics import ErrorRates, error_rates
 from tandem.asr.model import TORCH_PARTS, DeepSpeech2, ModelConfig
 from tandem.asr.text import ENGLISH, Alphabet
@@ -59,6 +61,9 @@ class TrainConfig:
     test_speaker: str | None = None
     augment: bool = True
     alphabet: str = ENGLISH.characters
+    # your own recordings (JSON-lines manifests, tandem.asr.manifest) instead of the bundled digits
+    train_manifest: str | None = None
+    test_manifest: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,12 +128,68 @@ def _batches(plan: list[Utterance], size: int, world: int, rng: np.random.Genera
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
+def epoch_batches(train_set: Any, config: TrainConfig, epoch: int, world: int) -> list[list[Utterance]]:
+    """The global batches of ``epoch``, in order: a function of the seed and the epoch alone."""
+    plan = train_set.plan((config.seed, epoch))
+    return _batches(plan, config.batch_size, world, np.random.default_rng((config.seed, epoch, 1)))
+
+
 def _share(batch: list[Utterance], rank: int, world: int) -> list[Utterance]:
     """This rank's part of a global batch: dealt by length, so every rank gets as much audio."""
     return sorted(batch, key=lambda u: u.length)[rank::world]
 
 
 STACKS = ("tandem", "torch")
+
+
+@dataclass(frozen=True)
+class DataSets:
+    """What a run trains and tests on: sets with ``plan(seed, passes)`` and ``render(utterance)``
+    (:class:`~tandem.asr.generator.ConnectedDigits`, :class:`~tandem.asr.manifest.ManifestSet`), and how
+    many times the test plan uses each test recording."""
+
+    train: Any
+    test: Any
+    test_passes: int = 1
+
+
+def digit_sets(recordings: Recordings, test_speaker: str | None = None) -> DataSets:
+    """The bundled digits: the customary split, or one speaker held out (see ``split_recordings``)."""
+    train_ids, test_ids = split_recordings(recordings, test_speaker)
+    return DataSets(
+        ConnectedDigits(recordings, train_ids), ConnectedDigits(recordings, test_ids), TEST_PASSES
+    )
+
+
+class _Shares(torch.utils.data.Dataset):
+    """Item ``k``: this rank's collated share of the ``k``-th of ``steps`` ((epoch, position) pairs), with
+    the size of its global batch. Picklable, so DataLoader workers can make the batches."""
+
+    def __init__(self, run: Run, steps: list[tuple[int, int]]) -> None:
+        self.steps = steps
+        self.train_set, self.logmel, self.alphabet = run.train_set, run.logmel, run.alphabet
+        self.augmentation, self.config = run.augmentation, run.config
+        self.rank, self.world = run.group.rank, run.group.world
+        self._epoch: tuple[int, list[list[Utterance]]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, k: int) -> tuple[Batch, int]:
+        epoch, position = self.steps[k]
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, epoch_batches(self.train_set, self.config, epoch, self.world))
+        global_batch = self._epoch[1][position]
+        mine = _share(global_batch, self.rank, self.world)
+        batch = collate(
+            [self.train_set.render(u) for u in mine],
+            [u.transcript for u in mine],
+            self.logmel,
+            self.alphabet,
+            self.augmentation,
+            [u.seed for u in mine],
+        )
+        return batch, len(global_batch)
 
 
 class Run:
@@ -140,18 +201,16 @@ class Run:
     torch.nn.SyncBatchNorm refuses CPU tensors; torch.optim.Adagrad, fused on the CPU; torch's DDP).
     """
 
-    def __init__(
-        self, config: TrainConfig, group: Group, recordings: Recordings, stack: str = "tandem"
-    ) -> None:
+    def __init__(self, config: TrainConfig, group: Group, data: DataSets, stack: str = "tandem") -> None:
         if stack not in STACKS:
             raise ValueError(f"Run: expected stack in {STACKS}, got {stack!r}")
         self.config, self.group = config, group
         self.device = group.device
         self.alphabet = Alphabet(config.alphabet)
-        train_ids, test_ids = split_recordings(recordings, config.test_speaker)
-        self.train_set = ConnectedDigits(recordings, train_ids)
-        self.test_set = ConnectedDigits(recordings, test_ids)
-        self.test_plan = sorted(self.test_set.plan(TEST_SEED, passes=TEST_PASSES), key=lambda u: u.length)
+        self.train_set, self.test_set = data.train, data.test
+        self.test_plan = sorted(
+            self.test_set.plan(TEST_SEED, passes=data.test_passes), key=lambda u: u.length
+        )
         self.logmel = LogMel(config.features)
         self.augmentation = Augmentation() if config.augment else None
 
@@ -213,9 +272,7 @@ class Run:
 
     def batches_of(self, epoch: int) -> list[list[Utterance]]:
         """The global batches of ``epoch``, in order: a function of the seed and the epoch alone."""
-        cfg = self.config
-        plan = self.train_set.plan((cfg.seed, epoch))
-        return _batches(plan, cfg.batch_size, self.group.world, np.random.default_rng((cfg.seed, epoch, 1)))
+        return epoch_batches(self.train_set, self.config, epoch, self.group.world)
 
     # ---- steps
     def learning_rate(self) -> float:
@@ -229,36 +286,43 @@ class Run:
         done = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * done)))
 
-    def train_step(self, global_batch: list[Utterance]) -> tuple[float, int]:
-        """One optimizer step on this rank's share; returns (the share's summed per-utterance loss, count)."""
-        mine = _share(global_batch, self.group.rank, self.group.world)
-        batch = collate(
-            [self.train_set.render(u) for u in mine],
-            [u.transcript for u in mine],
-            self.logmel,
-            self.alphabet,
-            self.augmentation,
-            [u.seed for u in mine],
-        )
+    def batches(self, workers: int = 0) -> Iterator[tuple[Batch, int]]:
+        """This rank's share of every remaining step's global batch, from the current position to the end of
+        the run, as (collated batch, utterances in the global batch). With ``workers`` > 0, DataLoader
+        worker processes read, augment and compute features ahead of the steps."""
+        steps = [
+            (epoch, position)
+            for epoch in range(self.epoch, self.config.epochs)
+            for position in range(self.position if epoch == self.epoch else 0, len(self.batches_of(epoch)))
+        ]
+        shares = _Shares(self, steps)
+        if workers == 0:
+            return (shares[i] for i in range(len(shares)))
+        loader = torch.utils.data.DataLoader(shares, batch_size=None, num_workers=workers, prefetch_factor=4)
+        return iter(loader)
+
+    def train_step(self, batch: Batch, global_size: int) -> tuple[float, int]:
+        """One optimizer step on this rank's ``batch`` of a global batch of ``global_size`` utterances;
+        returns (the batch's summed per-utterance loss, its utterances)."""
         log_probs, out_frames = self.wrapped(batch.features.to(self.device), batch.frames)
         losses = self.ctc(log_probs, batch.targets.to(self.device), out_frames, batch.target_lengths)
         losses = losses / batch.target_lengths.to(losses)  # CTCLoss's "mean", per utterance
         # DDP averages over ranks: scaled so that the gradient is the global batch's mean
-        loss = losses.sum() * (self.group.world / len(global_batch))
+        loss = losses.sum() * (self.group.world / global_size)
         for g in self.optimizer.param_groups:
             g["lr"] = self.learning_rate()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
         self.step += 1
-        return float(losses.detach().sum()), len(mine)
+        return float(losses.detach().sum()), len(batch)
 
-    def step_and_sync(self, global_batch: list[Utterance], flags: tuple[float, ...] = ()) -> list[float]:
+    def step_and_sync(self, step: tuple[Batch, int], flags: tuple[float, ...] = ()) -> list[float]:
         """One step, then one all-reduce of (its loss, utterances, ``flags``...) over the ranks: the
         epoch's loss adds up the same way whether or not the run was resumed, and every rank learns
         the others' flags (stop, checkpoint) after the same step. Returns [the step's mean loss over
         the global batch, *the flags summed over the ranks]."""
-        loss, n = self.train_step(global_batch)
+        loss, n = self.train_step(*step)
         summed = self.group.sum([loss, n, *flags])
         self.position += 1
         self.epoch_loss += summed[0]
@@ -275,13 +339,14 @@ class Run:
     def train_epoch(self, progress: bool = False) -> tuple[float, int]:
         """The rest of the current epoch's steps (no checkpoints, no stopping: the benchmark's loop);
         returns the summed per-utterance loss and the utterances of all ranks."""
-        batches = self.batches_of(self.epoch)
+        count = len(self.batches_of(self.epoch))
         bar = tqdm(
-            total=len(batches), initial=self.position, desc=f"epoch {self.epoch + 1}/{self.config.epochs}",
+            total=count, initial=self.position, desc=f"epoch {self.epoch + 1}/{self.config.epochs}",
             unit="batch", leave=False, disable=not progress,
         )  # fmt: skip
-        while self.position < len(batches):
-            self.step_and_sync(batches[self.position])
+        steps = self.batches()
+        while self.position < count:
+            self.step_and_sync(next(steps))
             bar.update()
         bar.close()
         return self.end_epoch()
@@ -400,6 +465,7 @@ def train(
     timeout: float = 60.0,
     checkpointing: Checkpointing = Checkpointing(),
     threads: int | None = None,
+    workers: int = 0,
 ) -> int:
     """Train (this rank's part of) a recognizer; rank 0 writes checkpoints as ``checkpointing`` says, and
     ``metrics.json`` and ``training_curve.png`` at the end. Returns the exit status: 0 done,
@@ -407,7 +473,9 @@ def train(
 
     Under torchrun the process dies with its agent, and a run restarted by torchrun (after a worker
     failed) continues from the newest complete checkpoint of this launch by itself. ``threads``: torch's
-    CPU threads in this process (default: the machine's cores shared by its processes).
+    CPU threads in this process (default: the machine's cores shared by its processes); ``workers``:
+    DataLoader processes per rank that read, augment and compute features ahead of the steps (0: in
+    the training loop).
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
@@ -415,7 +483,7 @@ def train(
     group = Group(pick_device(device), timeout)
     try:
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // group.local_world))
-        code = _train(config, Path(out), resume, group, checkpointing, stop)
+        code = _train(config, Path(out), resume, group, checkpointing, stop, workers)
     finally:
         group.close()
     if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -451,6 +519,42 @@ def _starting_state(
     return group.broadcast(decision)  # type: ignore[return-value]
 
 
+def _test_set_name(config: TrainConfig) -> str:
+    if config.test_manifest:
+        return config.test_manifest
+    return f"speaker {config.test_speaker} held out" if config.test_speaker else "takes 0-4"
+
+
+def _data_sets(config: TrainConfig, group: Group) -> tuple[DataSets | None, str | None]:
+    """The bundled digits, or the manifests' recordings: rank 0 checks the manifests (every line, before
+    anything is trained or written) and every rank gets its verdict: (data, None) or (None, the error)."""
+    if config.train_manifest is None:
+        return digit_sets(load_spoken_digits(), config.test_speaker), None
+    verdict: tuple[Any, str | None] = (None, None)
+    if group.lead:
+        try:
+            verdict = (manifest_entries(config), None)
+        except ManifestError as e:
+            verdict = (None, str(e))
+    entries, error = group.broadcast(verdict)  # type: ignore[misc]
+    if error:
+        return None, error
+    rate = config.features.sample_rate
+    return DataSets(ManifestSet(entries[0], rate), ManifestSet(entries[1], rate), 1), None
+
+
+def manifest_entries(config: TrainConfig) -> tuple[list[Entry], list[Entry]]:
+    """Both manifests of ``config``, checked (raises :class:`~tandem.asr.manifest.ManifestError`)."""
+    alphabet = Alphabet(config.alphabet)
+    train = read_manifest(
+        config.train_manifest, alphabet, config.features, config.model, what="--train-manifest"
+    )
+    test = read_manifest(
+        config.test_manifest, alphabet, config.features, config.model, what="--test-manifest"
+    )
+    return train, test
+
+
 def _train(
     config: TrainConfig,
     out: Path,
@@ -458,10 +562,16 @@ def _train(
     group: Group,
     checkpointing: Checkpointing,
     stop: StopRequests,
+    workers: int,
 ) -> int:
-    run = Run(config, group, load_spoken_digits())
-    store = CheckpointStore(out, checkpointing.keep)
     lead = group.lead
+    data, error = _data_sets(config, group)
+    if error:
+        if lead:
+            print(f"tandem train: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    run = Run(config, group, data)
+    store = CheckpointStore(out, checkpointing.keep)
     state, error = _starting_state(run, store, resume, group)
     if error:
         if lead:
@@ -480,7 +590,7 @@ def _train(
             f"tandem train: speech recognition, {cfg.conv_layers} conv + {cfg.layers} bidirectional "
             f"{cfg.cell.upper()} x {cfg.hidden} ({n_params / 1e6:.2f} M parameters); "
             f"{len(run.train_set.ids)} training recordings, {len(run.test_plan)} test utterances "
-            f"({'speaker ' + config.test_speaker + ' held out' if config.test_speaker else 'takes 0-4'}); "
+            f"({_test_set_name(config)}); "
             f"{group.world} process(es) on {group.device}, global batch {config.batch_size}, "
             f"Adagrad lr {config.lr}{where}",
             flush=True,
@@ -497,31 +607,32 @@ def _train(
         if lead:
             store.save(run.state(), run.step)
 
+    steps = run.batches(workers)
     while run.epoch < config.epochs and not stopped:
         epoch_start = time.perf_counter()
-        batches = run.batches_of(run.epoch)
+        count = len(run.batches_of(run.epoch))
         bar = tqdm(
-            total=len(batches), initial=run.position, desc=f"epoch {run.epoch + 1}/{config.epochs}",
+            total=count, initial=run.position, desc=f"epoch {run.epoch + 1}/{config.epochs}",
             unit="batch", leave=False, disable=not lead,
         )  # fmt: skip
-        while run.position < len(batches):
+        while run.position < count:
             if checkpointing.every:
                 due = (run.step + 1) % checkpointing.every == 0
             else:  # rank 0's clock decides; the all-reduce below tells the others
                 due = lead and time.perf_counter() - last_save >= checkpointing.seconds
             step_loss, n_stop, n_save = run.step_and_sync(
-                batches[run.position], (float(stop.signal is not None), float(due))
+                next(steps), (float(stop.signal is not None), float(due))
             )
             bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{run.learning_rate():.3g}")
             board.scalars(run.step, {"train/loss": step_loss, "train/learning_rate": run.learning_rate()})
             bar.update()
             stopped = stopped or n_stop > 0
-            if run.position < len(batches) and (n_save or stopped):
+            if run.position < count and (n_save or stopped):
                 save()  # mid-epoch; the epoch's end saves anyway
             if stopped:
                 break
         bar.close()
-        if run.position < len(batches):
+        if run.position < count:
             break  # stopped mid-epoch
         loss_sum, count = run.end_epoch()
         train_seconds = time.perf_counter() - epoch_start

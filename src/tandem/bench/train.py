@@ -46,7 +46,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, p: dict[str, Any]
         from tandem.asr.corpus import load_spoken_digits
         from tandem.asr.distributed import Group
         from tandem.asr.model import ModelConfig
-        from tandem.asr.training import Run, TrainConfig
+        from tandem.asr.training import Run, TrainConfig, digit_sets
 
         torch.set_num_threads(p["threads"])
         group = Group(torch.device("cpu"), timeout=300.0)
@@ -54,7 +54,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, p: dict[str, Any]
             model=ModelConfig(cell=p["cell"], hidden=p["hidden"], layers=p["layers"]), epochs=p["epochs"]
         )
         recordings = load_spoken_digits()
-        runs = {stack: Run(config, group, recordings, stack) for stack in ("tandem", "torch")}
+        data = digit_sets(recordings)
+        runs = {stack: Run(config, group, data, stack) for stack in ("tandem", "torch")}
         seconds: dict[str, list[float]] = {stack: [] for stack in runs}
         for epoch in range(p["epochs"]):
             for stack in list(runs)[epoch % 2 :] + list(runs)[: epoch % 2]:

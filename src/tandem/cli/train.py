@@ -109,6 +109,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     asr.add_argument(
         "--conv-channels", type=positive_int, default=16, help="channels of the convolutions (default: 16)"
     )
+    asr.add_argument(
+        "--train-manifest",
+        type=Path,
+        metavar="JSONL",
+        help="train on your own recordings: JSON lines {audio_filepath, text, duration} (NeMo's manifests); "
+        "needs --test-manifest",
+    )
+    asr.add_argument("--test-manifest", type=Path, metavar="JSONL", help="the recordings to test on")
+    asr.add_argument(
+        "--alphabet",
+        default="",
+        metavar="CHARS",
+        help="characters to add to blank, space, apostrophe and a-z (for example digits or accents)",
+    )
+    asr.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="DataLoader processes per rank that read recordings and compute features ahead of the "
+        "steps (default: 2 with manifests, 0 for the bundled digits, whose generator is cheap)",
+    )
     classify = parser.add_argument_group("classification (--task classify)")
     classify.add_argument(
         "--data",
@@ -194,6 +216,26 @@ def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _check_manifests(args: argparse.Namespace) -> str | None:
+    """Why the manifests cannot be trained on (every line is checked: files, text, alphabet, lengths)."""
+    if (args.train_manifest is None) != (args.test_manifest is None):
+        return "--train-manifest and --test-manifest: expected both or neither"
+    if args.train_manifest is None:
+        if args.alphabet:
+            return "--alphabet: only with --train-manifest (the bundled digits need no other characters)"
+        return None
+    if args.test_speaker is not None:
+        return "--test-speaker: only for the bundled digits, not with --train-manifest"
+    from tandem.asr.manifest import ManifestError
+    from tandem.asr.training import manifest_entries
+
+    try:
+        manifest_entries(asr_config(args))
+    except ManifestError as e:
+        return str(e)
+    return None
+
+
 def _check_task_options(args: argparse.Namespace) -> str | None:
     """Why the options do not fit the task, or None (checked before anything is written)."""
     if args.max_restarts < 0:
@@ -211,7 +253,11 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
             return f"--warmup-steps: expected a number >= 0, got {args.warmup_steps}"
         if args.checkpoint_every < 0:
             return f"--checkpoint-every: expected a number of steps >= 0, got {args.checkpoint_every}"
-        return None
+        if args.workers is not None and args.workers < 0:
+            return f"--workers: expected a number >= 0, got {args.workers}"
+        return _check_manifests(args)
+    if args.train_manifest or args.test_manifest or args.alphabet:
+        return "--train-manifest, --test-manifest and --alphabet: only for --task asr"
     from tandem.data import JAPANESE_VOWELS, load_npz
 
     if args.test_speaker is not None:
@@ -226,12 +272,24 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
 def asr_config(args: argparse.Namespace):
     """The :class:`tandem.asr.training.TrainConfig` of ``tandem train --task asr`` options."""
     from tandem.asr.model import ModelConfig
+    from tandem.asr.text import ENGLISH, Alphabet
     from tandem.asr.training import TrainConfig
 
+    alphabet = Alphabet.widened(ENGLISH, [args.alphabet]) if args.alphabet else ENGLISH
+    manifests = {
+        f"{which}_manifest": str(Path(path).resolve()) if path else None
+        for which, path in (("train", args.train_manifest), ("test", args.test_manifest))
+    }
     return TrainConfig(
         model=ModelConfig(
-            cell=args.cell, hidden=args.hidden, layers=args.layers, conv_channels=args.conv_channels
+            n_classes=len(alphabet),
+            cell=args.cell,
+            hidden=args.hidden,
+            layers=args.layers,
+            conv_channels=args.conv_channels,
         ),
+        alphabet=alphabet.characters,
+        **manifests,
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -255,6 +313,7 @@ def _work(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             checkpointing=Checkpointing(every=args.checkpoint_every, keep=args.keep_checkpoints),
             threads=args.threads,
+            workers=args.workers if args.workers is not None else 2 * (args.train_manifest is not None),
         )
     from tandem.cli._train_worker import train
 

@@ -1,0 +1,188 @@
+"""Training on your own recordings: JSON-lines manifests in NVIDIA NeMo's convention, checked before a run.
+
+One line per recording: ``{"audio_filepath": "a.wav", "text": "hello there", "duration": 1.7}``
+(``duration`` in seconds is optional; a relative path is relative to the manifest's folder). Text is
+lower-cased and its whitespace collapsed, as the alphabet normalises it.
+
+:func:`read_manifest` checks every line before training starts and raises one :class:`ManifestError`
+that lists the problems (up to a limit), each with the manifest, the line and what is wrong: invalid
+JSON, a missing key, empty text, characters outside the alphabet, a missing or unreadable file, or
+audio too short for its transcript under CTC (fewer output frames than the labels need).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from torch import Tensor
+from tqdm import tqdm
+
+from tandem.asr.audio import AudioError, read_audio, to_model_input
+from tandem.asr.features import FeatureConfig
+from tandem.asr.model import ModelConfig
+from tandem.asr.text import Alphabet
+
+__all__ = ["Entry", "ManifestError", "ManifestSet", "ManifestUtterance", "ctc_frames_needed", "read_manifest"]
+
+MAX_PROBLEMS = 20
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be trained on; the message lists every problem found (up to a limit)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A checked manifest line: the recording, its transcript (normalised) and its length in samples at
+    the model's rate."""
+
+    path: Path
+    text: str
+    samples: int
+    line: int
+
+
+def ctc_frames_needed(labels: Tensor) -> int:
+    """Frames CTC needs to emit ``labels``: one per label, and a blank between each pair of equal
+    neighbours ("three" needs 6: t h r e _ e)."""
+    repeats = int((labels[1:] == labels[:-1]).sum()) if len(labels) > 1 else 0
+    return len(labels) + repeats
+
+
+def _samples_at(path: Path, rate: int) -> int:
+    """The recording's length at ``rate`` Hz, from its header (soundfile.info: nothing is decoded)."""
+    import soundfile
+
+    info = soundfile.info(str(path))
+    return math.ceil(info.frames * rate / info.samplerate)
+
+
+def read_manifest(
+    path: str | Path,
+    alphabet: Alphabet,
+    features: FeatureConfig,
+    model: ModelConfig,
+    *,
+    what: str = "--train-manifest",
+) -> list[Entry]:
+    """Every line of the manifest ``path``, checked (see the module docstring).
+
+    Raises:
+        ManifestError: naming ``what`` (the option), the manifest, and each line's problem.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ManifestError(f"{what} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what} {path}: cannot read it ({e})") from None
+    entries: list[Entry] = []
+    problems: list[str] = []
+    # a bar on the terminal for a long manifest: every file's header is read here
+    bar = tqdm(lines, desc=f"checking {path.name}", unit="file", leave=False, disable=len(lines) < 500)
+    for number, raw in enumerate(bar, 1):
+        if not raw.strip():
+            continue
+        problem = None
+        try:
+            item = json.loads(raw)
+        except json.JSONDecodeError as e:
+            problem = f"invalid JSON ({e.msg} at column {e.colno})"
+        else:
+            entry_or_problem = _check(item, path, number, alphabet, features, model)
+            if isinstance(entry_or_problem, Entry):
+                entries.append(entry_or_problem)
+            else:
+                problem = entry_or_problem
+        if problem:
+            problems.append(f"{path}:{number}: {problem}")
+    if not entries and not problems:
+        problems.append(f"{path}: no recordings (the manifest is empty)")
+    if problems:
+        more = f"\n  ... and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
+        listed = "\n  ".join(problems[:MAX_PROBLEMS])
+        raise ManifestError(f"{what} {path}: {len(problems)} problem(s):\n  {listed}{more}")
+    return entries
+
+
+def _check(
+    item: object, manifest: Path, number: int, alphabet: Alphabet, features: FeatureConfig, model: ModelConfig
+) -> Entry | str:
+    """The line's :class:`Entry`, or what is wrong with it."""
+    if not isinstance(item, dict):
+        return f"expected a JSON object, got {type(item).__name__}"
+    missing = [k for k in ("audio_filepath", "text") if k not in item]
+    if missing:
+        return f"missing key(s) {', '.join(repr(k) for k in missing)}"
+    if not isinstance(item["audio_filepath"], str) or not isinstance(item["text"], str):
+        return "expected 'audio_filepath' and 'text' to be strings"
+    text = alphabet.normalize(item["text"])
+    if not text:
+        return "empty text"
+    unknown = alphabet.unknown(text)
+    if unknown:
+        chars = "".join(unknown)
+        return f"characters {chars!r} are not in the alphabet {alphabet.characters!r} (--alphabet adds them)"
+    audio = Path(item["audio_filepath"])
+    audio = audio if audio.is_absolute() else manifest.parent / audio
+    if not audio.is_file():
+        return f"audio file {audio}: no such file"
+    try:
+        samples = _samples_at(audio, features.sample_rate)
+    except Exception as e:  # soundfile's errors are RuntimeErrors (LibsndfileError) and others
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"audio file {audio}: not a readable recording ({reason})"
+    frames = int(model.output_frames(features.frames(samples)))
+    needed = ctc_frames_needed(alphabet.encode(text))
+    if frames < needed:
+        return (
+            f"audio file {audio} is too short for its transcript: {samples / features.sample_rate:.2f} s "
+            f"gives {frames} output frames, the {len(text)} characters need {needed}"
+        )
+    return Entry(audio, text, samples, number)
+
+
+@dataclass(frozen=True)
+class ManifestUtterance:
+    """A manifest recording in a training plan (the fields the training loop reads of any utterance)."""
+
+    index: int
+    transcript: str
+    length: int
+    seed: int
+
+
+class ManifestSet:
+    """A manifest's recordings as the training loop takes them: ``plan(seed)`` orders them,
+    ``render(u)`` reads one (mono, at the model's rate), as :class:`~tandem.asr.generator.ConnectedDigits`
+    does for the bundled digits."""
+
+    def __init__(self, entries: Sequence[Entry], sample_rate: int) -> None:
+        self.entries, self.sample_rate = list(entries), sample_rate
+        self.ids = list(range(len(self.entries)))
+
+    def plan(self, seed: int | Sequence[int], passes: int = 1) -> list[ManifestUtterance]:
+        """Every recording ``passes`` times, in an order drawn from ``seed``."""
+        rng = np.random.default_rng(seed)
+        utterances = []
+        for _ in range(passes):
+            seeds = rng.integers(2**62, size=len(self.entries)).tolist()
+            order = rng.permutation(len(self.entries)).tolist()
+            utterances += [
+                ManifestUtterance(i, self.entries[i].text, self.entries[i].samples, seeds[i]) for i in order
+            ]
+        return utterances
+
+    def render(self, utterance: ManifestUtterance) -> Tensor:
+        entry = self.entries[utterance.index]
+        try:
+            waveform, rate = read_audio(entry.path)
+            return to_model_input(waveform, rate, self.sample_rate, name=str(entry.path))
+        except AudioError as e:
+            raise AudioError(f"{e} (manifest line {entry.line})") from None

@@ -1,0 +1,152 @@
+"""Training on your own recordings: NeMo-style manifests of WAV files (here bundled recordings written at
+16 kHz, so the resampler runs), every kind of malformed manifest refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _cli import tandem
+
+from tandem.asr.corpus import load_spoken_digits
+from tandem.asr.features import FeatureConfig, resample
+from tandem.asr.generator import ConnectedDigits, split_recordings
+from tandem.asr.manifest import ManifestError, ctc_frames_needed, read_manifest
+from tandem.asr.model import ModelConfig
+from tandem.asr.text import ENGLISH, Alphabet
+
+soundfile = pytest.importorskip("soundfile")
+
+
+def _write_wav(path: Path, audio: torch.Tensor, rate: int = 16000) -> None:
+    soundfile.write(str(path), resample(audio, 8000, rate).numpy(), rate, subtype="PCM_16")
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory) -> tuple[Path, Path]:
+    """Two-word utterances of george and jackson: 40 from takes 5-49 to train on, 8 from takes 0-4 to test
+    on; WAV files at 16 kHz in a folder beside the manifests (relative paths) and one absolute path."""
+    folder = tmp_path_factory.mktemp("manifests")
+    (folder / "audio").mkdir()
+    rec = load_spoken_digits()
+    train_ids, test_ids = split_recordings(rec)
+    speakers = {rec.speakers.index("george"), rec.speakers.index("jackson")}
+    paths = []
+    for name, ids, count in (("train", train_ids, 40), ("test", test_ids, 8)):
+        ids = [i for i in ids if int(rec.speaker[i]) in speakers]
+        digits = ConnectedDigits(rec, ids, max_words=2)
+        lines = []
+        for k, u in enumerate(digits.plan(1)[:count]):
+            wav = folder / "audio" / f"{name}{k}.wav"
+            _write_wav(wav, digits.render(u))
+            where = str(wav) if k == 0 else f"audio/{wav.name}"
+            lines.append(json.dumps({"audio_filepath": where, "text": u.transcript.upper(), "duration": 1.0}))
+        paths.append(folder / f"{name}.jsonl")
+        paths[-1].write_text("\n".join(lines) + "\n")
+    return paths[0], paths[1]
+
+
+def test_a_short_run_learns_the_manifests_recordings(manifests, tmp_path):
+    train, test = manifests
+    out = tmp_path / "run"
+    done = tandem(
+        "--train-manifest", str(train), "--test-manifest", str(test), "--nproc", "2", "--threads", "1",
+        "--hidden", "64", "--layers", "2", "--batch-size", "8", "--epochs", "25", "--warmup-steps", "10",
+        "--lr", "0.03", "--workers", "1", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    history = metrics["history"]
+    assert history[-1]["train_loss"] < 0.3 * history[0]["train_loss"], history
+    words = sum(len(json.loads(line)["text"].split()) for line in test.read_text().splitlines())
+    assert history[-1]["test_cer"] < 0.6 and history[-1]["test_words"] == words, history
+    assert metrics["config"]["train_manifest"] == str(train.resolve())
+    assert "8 test utterances" in done.stdout
+
+
+def _manifest(tmp_path: Path, lines: list[object]) -> Path:
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[object], str]]:
+    not_audio = tmp_path / "notes.wav"
+    not_audio.write_text("these are words, not sound")
+    short = tmp_path / "short.wav"
+    soundfile.write(str(short), (torch.randn(1600) * 0.1).numpy(), 16000)  # 0.1 s
+    ok = {"audio_filepath": str(good_wav), "text": "two"}
+    return {
+        "invalid-json": ([ok, '{"audio_filepath": "a.wav", "text": '], ":2: invalid JSON"),
+        "missing-key": ([ok, {"audio_filepath": str(good_wav)}], ":2: missing key(s) 'text'"),
+        "empty-text": ([ok, {"audio_filepath": str(good_wav), "text": "  "}], ":2: empty text"),
+        "alphabet": (
+            [ok, {"audio_filepath": str(good_wav), "text": "café 2"}],
+            ":2: characters 'é2' are not in",
+        ),
+        "missing-file": ([ok, {"audio_filepath": "gone.wav", "text": "two"}], "gone.wav: no such file"),
+        "not-audio": ([ok, {"audio_filepath": str(not_audio), "text": "two"}], "not a readable recording"),
+        "too-short": (
+            [ok, {"audio_filepath": str(short), "text": "seven eight nine"}],
+            ":2: audio file " + str(short) + " is too short for its transcript",
+        ),
+        "not-an-object": ([ok, "[1, 2]"], ":2: expected a JSON object, got list"),
+    }
+
+
+def test_every_kind_of_problem_is_named_with_its_line(manifests, tmp_path):
+    good = next((manifests[0].parent / "audio").glob("*.wav"))
+    for name, (lines, message) in _bad_manifests(tmp_path, good).items():
+        with pytest.raises(ManifestError) as error:
+            read_manifest(_manifest(tmp_path, lines), ENGLISH, FeatureConfig(), ModelConfig())
+        assert message in str(error.value) and "1 problem(s)" in str(error.value), name
+
+
+def test_all_problems_are_listed_at_once_up_to_a_limit(tmp_path):
+    path = _manifest(tmp_path, ["{"] * 25 + [{"text": "x"}])
+    with pytest.raises(ManifestError) as error:
+        read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
+    text = str(error.value)
+    assert "26 problem(s)" in text and f"{path}:1: invalid JSON" in text and "... and 6 more" in text
+
+
+def test_alphabet_widens_and_empty_manifest(manifests, tmp_path):
+    good = next((manifests[0].parent / "audio").glob("*.wav"))
+    path = _manifest(tmp_path, [{"audio_filepath": str(good), "text": "Café 2"}])
+    wide = Alphabet.widened(ENGLISH, ["é2"])
+    (entry,) = read_manifest(path, wide, FeatureConfig(), ModelConfig(n_classes=len(wide)))
+    assert entry.text == "café 2" and entry.line == 1
+    with pytest.raises(ManifestError, match="no recordings"):
+        read_manifest(_manifest(tmp_path, [""]), ENGLISH, FeatureConfig(), ModelConfig())
+
+
+def test_ctc_frames_needed():
+    assert ctc_frames_needed(ENGLISH.encode("three")) == 6 and ctc_frames_needed(ENGLISH.encode("a")) == 1
+
+
+@pytest.mark.parametrize("kind", ["not-audio", "too-short", "alphabet"])
+def test_the_command_refuses_a_bad_manifest_and_writes_nothing(manifests, tmp_path, kind):
+    good = next((manifests[0].parent / "audio").glob("*.wav"))
+    lines, message = _bad_manifests(tmp_path, good)[kind]
+    bad = _manifest(tmp_path, lines)
+    out = tmp_path / "out"
+    done = tandem(
+        "--train-manifest", str(bad), "--test-manifest", str(manifests[1]), "--out", str(out), timeout=120
+    )
+    assert done.returncode == 2 and message in done.stderr and "--train-manifest" in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--train-manifest", "x.jsonl"), "expected both or neither"),
+        (("--alphabet", "é"), "--alphabet: only with --train-manifest"),
+        (("--task", "classify", "--alphabet", "é"), "only for --task asr"),
+    ],
+)
+def test_manifest_options_are_checked(tmp_path, args, message):
+    done = tandem(*args, "--out", str(tmp_path / "out"), timeout=60)
+    assert done.returncode == 2 and message in done.stderr and not (tmp_path / "out").exists()
