@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tandem {tandem.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{train,transcribe,bench}")
     for name, module, summary in (
-        ("train", train, "train a speech model (Japanese Vowels or --data), data-parallel"),
+        ("train", train, "train the speech recognizer (bundled digits or your manifests), data-parallel"),
         ("transcribe", transcribe, "transcribe recordings with a trained recognizer: path<TAB>text"),
         ("bench", bench, "time tandem against PyTorch: table, CSV, chart"),
     ):
