@@ -304,6 +304,9 @@ class Run:
     def train_step(self, batch: Batch, global_size: int) -> tuple[float, int]:
         """One optimizer step on this rank's ``batch`` of a global batch of ``global_size`` utterances;
         returns (the batch's summed per-utterance loss, its utterances)."""
+        # The step's random draws (dropout) from a generator seeded by (seed, step, rank): each rank's
+        # stream is its own and a resumed run draws what the uninterrupted one drew at the same step.
+        torch.manual_seed(hash((self.config.seed, self.step, self.group.rank)) & (2**63 - 1))
         log_probs, out_frames = self.wrapped(batch.features.to(self.device), batch.frames)
         losses = self.ctc(log_probs, batch.targets.to(self.device), out_frames, batch.target_lengths)
         losses = losses / batch.target_lengths.to(losses)  # CTCLoss's "mean", per utterance
