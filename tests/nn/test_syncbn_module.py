@@ -220,7 +220,8 @@ def check_equal_to_batchnorm(rank: int, batches: list[int], case: str) -> None:
 
 
 def check_collectives(rank: int, batches: list[int]) -> None:
-    """One collective per training forward, one per backward; none in eval or without an input grad."""
+    """One collective per training forward, one per backward; none in eval or without an input grad. On
+    CPU tensors (Gloo) it is an all_gather, faster than Gloo's all_reduce for a few hundred bytes."""
     rep = Report()
     frames = (4,)
     for kwargs in ({}, {"track_running_stats": False}, {"affine": False}):
@@ -230,9 +231,9 @@ def check_collectives(rank: int, batches: list[int]) -> None:
             y = bn(x)
         with counting() as bwd:
             y.sum().backward()
-        rep.true(f"{kwargs} forward", fwd.total == (1, 1) and fwd.python == {"all_reduce": 1}, str(vars(fwd)))
+        rep.true(f"{kwargs} forward", fwd.total == (1, 1) and fwd.python == {"all_gather": 1}, str(vars(fwd)))
         rep.true(
-            f"{kwargs} backward", bwd.total == (1, 1) and bwd.python == {"all_reduce": 1}, str(vars(bwd))
+            f"{kwargs} backward", bwd.total == (1, 1) and bwd.python == {"all_gather": 1}, str(vars(bwd))
         )
         if bn.track_running_stats:
             bn.eval()

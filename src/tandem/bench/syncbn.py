@@ -16,11 +16,12 @@ Providers:
     tandem: ``tandem.nn.SyncBatchNorm``.
     tandem-nocomm: tandem's kernels and autograd with the two collectives left out (each rank normalises
         by its own statistics): ``tandem - tandem-nocomm`` is what synchronizing costs.
-    torch+allreduce: ``torch.nn.BatchNorm1d`` plus one small all_reduce after the forward and one after
-        the backward (results unused): a timing control for what any one-collective-per-direction
-        design pays on these ranks, rank skew included.
-    allreduce-latency: the two small all_reduces alone (``2C + 1`` float64 and ``2C`` float32 values),
-        no compute: the communication floor the issue's target refers to.
+    torch+comm: ``torch.nn.BatchNorm1d`` plus, after the forward and after the backward, the small
+        collective that tandem's SyncBatchNorm issues there (results unused): a timing control for what
+        any one-collective-per-direction design pays on these ranks, rank skew included.
+    comm-latency: those two collectives alone (``2C + 1`` float64 and ``2C`` float32 values through
+        :func:`tandem.ops.syncbn.sum_over_ranks`, an all_gather each on the CPU), no compute: the
+        communication floor the issue's target refers to.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tandem.bench.registry import OpBench, Shape, register
+from tandem.ops.syncbn import sum_over_ranks
 
 __all__ = ["SYNCBN_BENCH"]
 
 _TIMEOUT_S = 300
-_KINDS = ("torch", "allreduce-sum", "tandem", "tandem-nocomm", "torch+allreduce", "allreduce-latency")
+_KINDS = ("torch", "allreduce-sum", "tandem", "tandem-nocomm", "torch+comm", "comm-latency")
 
 
 class _SumSquaresBN(torch.autograd.Function):
@@ -103,16 +105,16 @@ class _NoCommModule(torch.nn.BatchNorm1d):
 
 def _step_fn(kind: str, p: dict[str, Any]):
     c = p["C"]
-    if kind == "allreduce-latency":
+    if kind == "comm-latency":
         fwd = torch.zeros(2 * c + 1, dtype=torch.float64)
         bwd = torch.zeros(2 * c)
 
         def comm_only() -> None:
-            dist.all_reduce(fwd)
-            dist.all_reduce(bwd)
+            sum_over_ranks(fwd)
+            sum_over_ranks(bwd)
 
         return comm_only
-    if kind == "torch+allreduce":
+    if kind == "torch+comm":
         bn0 = torch.nn.BatchNorm1d(c)
         fwd = torch.zeros(2 * c + 1, dtype=torch.float64)
         bwd = torch.zeros(2 * c)
@@ -121,9 +123,9 @@ def _step_fn(kind: str, p: dict[str, Any]):
 
         def torch_and_comm() -> None:
             y = bn0(x0)
-            dist.all_reduce(fwd)
+            sum_over_ranks(fwd)
             y.backward(grad0)
-            dist.all_reduce(bwd)
+            sum_over_ranks(bwd)
             x0.grad = None
             bn0.zero_grad(set_to_none=True)
 

@@ -22,12 +22,14 @@ class SyncBatchNorm(_BatchNorm):
     The constructor, parameters, buffers and ``state_dict`` keys are ``torch.nn.BatchNormNd``'s
     (``weight, bias, running_mean, running_var, num_batches_tracked``), so checkpoints load both ways.
     In training the mean and variance are those of all ranks' frames together, weighted by each rank's
-    frame count (uneven batches are right, a rank may have 0 or 1 sample), merged with one
-    ``all_reduce`` of ``2C + 1`` float64 values that stays accurate when ``|mean| / std`` is large;
-    ``running_mean``/``running_var`` (unbiased) come out identical on every rank. The backward does
-    one ``all_reduce`` of ``2C`` values; weight and bias gradients are local, as torch's (the
-    data-parallel wrapper averages them). In eval mode, in a group of one process, or when
-    torch.distributed is not initialised, it is plain batch norm and communicates nothing.
+    frame count (uneven batches are right, a rank may have 0 or 1 sample), merged with one collective of
+    ``2C + 1`` float64 values that stays accurate when ``|mean| / std`` is large (an ``all_reduce`` on
+    GPUs; on CPUs an ``all_gather`` and a local sum, which Gloo does faster for so small a tensor:
+    :func:`tandem.ops.syncbn.sum_over_ranks`); ``running_mean``/``running_var`` (unbiased) come out
+    identical on every rank. The backward does one such collective of ``2C`` values; weight and bias
+    gradients are local, as torch's (the data-parallel wrapper averages them). In eval mode, in a group
+    of one process, or when torch.distributed is not initialised, it is plain batch norm and
+    communicates nothing.
     Every rank of the group must call it the same number of times (it is a collective).
 
     Sequence-wise normalisation (recurrent stacks): padded frames can be left out of the statistics.
