@@ -3,6 +3,7 @@ connected-digit generator: deterministic per seed, splits disjoint, transcripts 
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import wave
@@ -14,6 +15,7 @@ import torch
 
 from tandem.asr.corpus import DIGIT_WORDS, SPOKEN_DIGITS, load_spoken_digits
 from tandem.asr.generator import ConnectedDigits, split_recordings
+from tandem.asr.training import AUGMENTED_GAIN_DB, TEST_SEED, digit_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDD = ROOT.parent / "shared" / "data" / "fsdd"
@@ -129,3 +131,13 @@ def test_render_is_deterministic_and_noisy_between_words(rec):
     assert torch.equal(a, b)
     gap = a[: u.gaps[0]]
     assert 0 < gap.std() < 0.01  # low-level noise, not silence and not speech
+
+
+@pytest.mark.parametrize("speaker", [None, "theo"])
+def test_augmented_training_gains_span_the_wider_range_and_the_test_set_stays(rec, speaker):
+    plain, augmented = digit_sets(rec, speaker), digit_sets(rec, speaker, augment=True)
+    assert augmented.test.plan(TEST_SEED) == plain.test.plan(TEST_SEED)
+    gains = [20 * math.log10(u.gain) for u in augmented.train.plan(0)]
+    low, high = AUGMENTED_GAIN_DB
+    assert low <= min(gains) < low + 2 and high - 2 < max(gains) <= high
+    assert min(20 * math.log10(u.gain) for u in plain.train.plan(0)) >= -10.0

@@ -153,12 +153,24 @@ class DataSets:
     test_passes: int = 1
 
 
-def digit_sets(recordings: Recordings, test_speaker: str | None = None) -> DataSets:
-    """The bundled digits: the customary split, or one speaker held out (see ``split_recordings``)."""
+# The training utterances' gain range with augmentation, against the generator's -10..6 dB. The speakers'
+# recordings differ by ~19 dB in level (RMS 0.010 for theo to 0.091 for jackson) over the same noise
+# floor, so a quiet voice held out meets signal-to-noise ratios that the louder training voices never
+# have. Measured with theo held out (one process, seeds 0 and 1): test CER 5.8% / 6.7% against 7.5% /
+# 7.1%, WER 11.5% / 13.6% against 14.2% / 13.5%.
+AUGMENTED_GAIN_DB = (-30.0, 6.0)
+
+
+def digit_sets(recordings: Recordings, test_speaker: str | None = None, augment: bool = False) -> DataSets:
+    """The bundled digits: the customary split, or one speaker held out (see ``split_recordings``). With
+    ``augment`` the training utterances' gains span :data:`AUGMENTED_GAIN_DB`; the test set is the same."""
     train_ids, test_ids = split_recordings(recordings, test_speaker)
-    return DataSets(
-        ConnectedDigits(recordings, train_ids), ConnectedDigits(recordings, test_ids), TEST_PASSES
+    train = (
+        ConnectedDigits(recordings, train_ids, gain_db=AUGMENTED_GAIN_DB)
+        if augment
+        else ConnectedDigits(recordings, train_ids)
     )
+    return DataSets(train, ConnectedDigits(recordings, test_ids), TEST_PASSES)
 
 
 class _Shares(torch.utils.data.Dataset):
@@ -532,7 +544,7 @@ def _data_sets(config: TrainConfig, group: Group) -> tuple[DataSets | None, str 
     """The bundled digits, or the manifests' recordings: rank 0 checks the manifests (every line, before
     anything is trained or written) and every rank gets its verdict: (data, None) or (None, the error)."""
     if config.train_manifest is None:
-        return digit_sets(load_spoken_digits(), config.test_speaker), None
+        return digit_sets(load_spoken_digits(), config.test_speaker, config.augment), None
     verdict: tuple[Any, str | None] = (None, None)
     if group.lead:
         try:

@@ -50,8 +50,11 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, p: dict[str, Any]
 
         torch.set_num_threads(p["threads"])
         group = Group(torch.device("cpu"), timeout=300.0)
+        # tandem train's defaults on the customary split (no augmentation there)
         config = TrainConfig(
-            model=ModelConfig(cell=p["cell"], hidden=p["hidden"], layers=p["layers"]), epochs=p["epochs"]
+            model=ModelConfig(cell=p["cell"], hidden=p["hidden"], layers=p["layers"]),
+            epochs=p["epochs"],
+            augment=False,
         )
         recordings = load_spoken_digits()
         data = digit_sets(recordings)
