@@ -54,12 +54,12 @@ def sync_batch_norm(
 
     With ``training=True`` the mean and (biased) variance are those of all ranks' frames together,
     weighted by each rank's frame count (a rank may have none), merged stably in one collective
-    (:func:`sum_over_ranks`);
-    ``running_mean``/``running_var``, when given, move by ``momentum`` towards the global mean and
-    unbiased variance, identically on every rank. The backward does one collective (when the input
-    needs a gradient); weight and bias gradients are the rank's own, as in torch.nn.SyncBatchNorm.
-    With ``training=False`` the running statistics normalise and nothing is communicated. Without a
-    group to synchronize with (see :func:`sync_group`) and without a mask this is ``F.batch_norm``.
+    (:func:`sum_over_ranks`); ``running_mean``/``running_var``, when given, move by ``momentum`` towards
+    the global mean and unbiased variance, identically on every rank. The backward does one collective
+    (when the input needs a gradient); weight and bias gradients are the rank's own, as in
+    torch.nn.SyncBatchNorm. With ``training=False`` the running statistics normalise and nothing is
+    communicated. Without a group to synchronize with (see :func:`sync_group`) and without a mask this is
+    ``F.batch_norm``.
 
     Args:
         input: ``[N, C, *S]`` (2-D to 5-D; any float dtype, statistics in float32 or float64).
