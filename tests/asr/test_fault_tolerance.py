@@ -178,7 +178,13 @@ def _two_nodes(tmp_path: Path, *extra: str) -> tuple[list, Path]:
 
 def test_two_nodes_compute_what_one_node_with_two_processes_computes(reference, tmp_path):
     procs, out = _two_nodes(tmp_path)
-    codes = [finish(p, out) for p in procs]
+    # both nodes end by themselves before anything is cleaned up: finish() kills every process of the
+    # run, and node 1's launcher may still be on its way out when node 0's has returned (seen in CI, -9)
+    try:
+        codes = [p.wait(180) for p in procs]
+    finally:
+        for p in procs:
+            finish(p, out)
     logs = [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
     assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     _assert_same_run(out, reference)
