@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.asr.model import TANDEM_PARTS, TORCH_PARTS, DeepSpeech2, ModelConfig
+from tandem.asr.model import TANDEM_PARTS, TORCH_PARTS, DeepSpeech2, ModelConfig, conv2d_one_channel, dropout
 
 SMALL = dict(n_mels=16, hidden=12, layers=2, conv_channels=4, conv_kernel=(5, 5))
 
@@ -84,3 +84,51 @@ def test_config_errors():
         ModelConfig(cell="rnn")
     with pytest.raises(ValueError, match="conv_layers 1 or 2, got 3"):
         ModelConfig(conv_layers=3)
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding, size",
+    [
+        ((11, 5), (2, 2), (5, 2), (40, 37)),
+        ((3, 4), (1, 3), (0, 1), (9, 20)),
+        ((5, 5), (2, 1), (2, 2), (7, 6)),
+    ],
+)
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_channel_conv_equals_torch(kernel, stride, padding, size, bias):
+    """Values and all three gradients of torch.nn.Conv2d's (float64), with the strides that make the
+    last rows and columns of the padded input unused."""
+    conv = torch.nn.Conv2d(1, 6, kernel, stride, padding, bias=bias).double()
+    x = torch.randn(3, 1, *size, dtype=torch.float64, requires_grad=True)
+    ours = conv2d_one_channel(x, conv)
+    theirs = conv(x)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(theirs)
+    params = [x, *conv.parameters()]
+    for a, b in zip(torch.autograd.grad(ours, params, grad), torch.autograd.grad(theirs, params, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # features need no gradient: the weight's alone, the same
+    (ours_w,) = torch.autograd.grad(conv2d_one_channel(x.detach(), conv), [conv.weight], grad)
+    (theirs_w,) = torch.autograd.grad(conv(x.detach()), [conv.weight], grad)
+    torch.testing.assert_close(ours_w, theirs_w, rtol=1e-10, atol=1e-10)
+
+
+def test_one_channel_conv_leaves_other_convolutions_to_torch():
+    conv = torch.nn.Conv2d(2, 3, 3, padding="same")
+    x = torch.randn(1, 2, 5, 5)
+    assert torch.equal(conv2d_one_channel(x, conv), conv(x))
+
+
+def test_dropout_keeps_torchs_distribution():
+    x = torch.ones(400, 500)
+    torch.manual_seed(0)
+    out = dropout(x, 0.25, True)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.005  # 200000 draws: 5 standard deviations
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / 0.75))
+    assert dropout(x, 0.25, False) is x and dropout(x, 0.0, True) is x
+    x = torch.randn(30, 40, requires_grad=True)
+    torch.manual_seed(1)
+    out = dropout(x, 0.5, True)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, (out != 0).float() * 2.0)
