@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from tandem.bench import train
 from tandem.bench.runner import BenchRow
 
@@ -19,3 +22,15 @@ def test_both_stacks_train_an_epoch_in_one_group_and_the_summary_reads(monkeypat
     ]
     text = train.summary(rows)
     assert text.startswith("tiny: seconds per epoch (median of 1) tandem") and "test WER tandem" in text
+
+
+def test_the_ranks_leave_no_semaphore_behind():
+    """The ranks end with os._exit: a multiprocessing lock of theirs (tqdm's) was never unlinked, and the
+    resource tracker of the process that spawned them warned of leaked semaphores when it shut down."""
+    code = (
+        "from tandem.bench import train\n"
+        "train.run_group(dict(id='tiny', cell='gru', hidden=8, layers=1, world=2, epochs=1, threads=1))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +42,11 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, p: dict[str, Any]
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
     )  # fmt: skip
+    # tqdm's default lock is a multiprocessing one: a named semaphore that os._exit below never unlinks,
+    # which the runner's resource tracker then reported as leaked. The rank's bars need a thread lock only.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     result: dict[str, Any]
     try:
         from tandem.asr.corpus import load_spoken_digits
