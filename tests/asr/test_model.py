@@ -127,6 +127,9 @@ def test_dropout_keeps_torchs_distribution():
     assert abs(kept.float().mean().item() - 0.75) < 0.005  # 200000 draws: 5 standard deviations
     torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / 0.75))
     assert dropout(x, 0.25, False) is x and dropout(x, 0.0, True) is x
+    assert torch.equal(dropout(x, 1.0, True), torch.zeros_like(x))  # as F.dropout, not nan
+    with pytest.raises(ValueError, match="dropout: expected p between 0 and 1, got 1.5"):
+        dropout(x, 1.5, True)
     x = torch.randn(30, 40, requires_grad=True)
     torch.manual_seed(1)
     out = dropout(x, 0.5, True)
