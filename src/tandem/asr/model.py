@@ -195,7 +195,7 @@ class _OneChannelConv(torch.autograd.Function):
         padding: tuple[int, int],
     ) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.stride, ctx.padding, ctx.has_bias = stride, padding, bias is not None
+        ctx.stride, ctx.padding = stride, padding
         return F.conv2d(x, weight, bias, stride, padding)
 
     @staticmethod
@@ -211,7 +211,7 @@ class _OneChannelConv(torch.autograd.Function):
             # out[0, c, i, j] = sum_{b, f, t} x[b, 0, sf f + i, st t + j] grad[b, c, f, t]
             full = F.conv2d(padded, grad.transpose(0, 1), dilation=(sf, st))  # [1, C, >= kf, >= kt]
             grad_w = full[:, :, :kf, :kt].transpose(0, 1)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False without a bias
             grad_b = grad.sum((0, 2, 3))
         return grad_x, grad_w, grad_b, None, None
 
