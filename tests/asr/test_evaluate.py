@@ -35,7 +35,7 @@ def run(monkeypatch):
 
 def _evaluate_three_times(run):
     first = [run.evaluate(batch_size=8) for _ in range(2)]
-    run.train_step(*next(run.batches()))  # the weights change: the kept features must still be right
+    run.train_step(*next(run.batches()))  # the weights change: the kept features must still serve
     return first, run.evaluate(batch_size=8)
 
 
@@ -44,11 +44,19 @@ def test_the_test_set_is_featurised_once(run, monkeypatch):
     (a, b), after = _evaluate_three_times(run)
     assert _Counting.renders == utterances
     assert a == b
+    kept = list(run._test_batches(8))
+    assert _Counting.renders == utterances
 
-    # the same numbers when nothing is kept
+    # nothing kept: every evaluation reads and featurises again, and gets what was kept
     monkeypatch.setattr(training, "TEST_CACHE_BYTES", 0)
     fresh = Run(run.config, run.group, DataSets(run.train_set, run.test_set))
     _Counting.renders = 0
     (c, d), after_fresh = _evaluate_three_times(fresh)
     assert _Counting.renders == 3 * utterances
     assert a == c == d and after == after_fresh
+    made = list(fresh._test_batches(8))
+    assert len(made) == len(kept) > 1
+    for x, y in zip(kept, made):
+        assert x.transcripts == y.transcripts
+        for name in ("features", "frames", "targets", "target_lengths"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
