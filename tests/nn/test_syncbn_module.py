@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import tandem
+from tandem.ops.syncbn import POLL_S, _poll
 
 C = 5
 STEPS = 3
@@ -386,11 +387,43 @@ def check_process_group(rank: int, batches: list[int]) -> None:
     rep.finish()
 
 
+def check_late_rank(rank: int, batches: list[int]) -> None:
+    """The last rank reaches each collective long after the others stopped polling for it (``POLL_S``):
+    they block in ``wait()`` and still get every rank's statistics, forward and backward."""
+    rep = Report()
+    late = rank == dist.get_world_size() - 1
+    delay = 5 * POLL_S
+    full = torch.randn(sum(batches), C, 3, generator=_gen("late"))
+    grad = torch.randn(full.shape, generator=_gen("late", "g"))
+    part = _slice(batches, rank)
+    ours, ref = tandem.nn.SyncBatchNorm(C), torch.nn.BatchNorm1d(C)
+    x, x_ref = full[part].clone().requires_grad_(), full.clone().requires_grad_()
+    waited = []
+    for direction in ("forward", "backward"):
+        if late:
+            time.sleep(delay)
+        start = time.perf_counter()
+        if direction == "forward":
+            y = ours(x)
+        else:
+            y.backward(grad[part])
+        waited.append(time.perf_counter() - start)
+    y_ref = ref(x_ref)
+    y_ref.backward(grad)
+    rep.close("y", y, y_ref[part])
+    rep.close("dx", x.grad, x_ref.grad[part])
+    rep.close("running_var", ours.running_var, ref.running_var)
+    if not late:  # the early ranks did wait past their polling, and then got the late rank's numbers
+        rep.true("waited for the late rank", min(waited) > 0.8 * delay, f"{waited} against {delay} s")
+    rep.finish()
+
+
 def _checks(world: int) -> dict[str, Callable[[int, list[int]], None]]:
     checks: dict[str, Callable[[int, list[int]], None]] = {
         f"equal-{case}": (lambda r, b, case=case: check_equal_to_batchnorm(r, b, case)) for case in CASES
     }
     checks.update(collectives=check_collectives, large_offset=check_large_offset, masked=check_masked)
+    checks["late"] = check_late_rank
     if world == 2:
         checks["bench_baseline"] = check_bench_baseline
     if world == 3:
@@ -488,6 +521,20 @@ def test_large_offset_float32(verdicts, world):
 @pytest.mark.parametrize("world", WORLD_IDS)
 def test_masked_statistics(verdicts, world):
     _assert_ok(verdicts, world, "masked")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world", WORLD_IDS)
+def test_a_late_rank_outlasts_the_polling(verdicts, world):
+    _assert_ok(verdicts, world, "late")
+
+
+def test_poll_ends_when_done_or_after_its_time():
+    calls = []
+    assert _poll(lambda: calls.append(1) or len(calls) == 3, 10.0) and len(calls) == 3
+    start = time.perf_counter()
+    assert not _poll(lambda: False, 0.01)
+    assert time.perf_counter() - start >= 0.01
 
 
 @pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
