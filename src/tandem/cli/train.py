@@ -38,7 +38,7 @@ DESCRIPTION = (
 
 # Options whose default depends on the task (None on the command line means "the task's default").
 DEFAULTS = {
-    "asr": {"hidden": 128, "layers": 3, "epochs": 32, "lr": 0.05, "batch_size": 32, "out": Path("runs/asr")},
+    "asr": {"hidden": 128, "layers": 3, "epochs": 48, "lr": 0.05, "batch_size": 32, "out": Path("runs/asr")},
     "classify": {
         "hidden": 64,
         "layers": 2,
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hidden", type=positive_int, help="hidden size per direction (default: asr 128, classify 64)"
     )
     parser.add_argument("--layers", type=positive_int, help="recurrent layers (default: asr 3, classify 2)")
-    parser.add_argument("--epochs", type=positive_int, help="epochs in total (default: asr 32, classify 20)")
+    parser.add_argument("--epochs", type=positive_int, help="epochs in total (default: asr 48, classify 20)")
     parser.add_argument("--lr", type=positive_float, help="Adagrad learning rate (default: 0.05)")
     parser.add_argument(
         "--batch-size", type=positive_int, help="global batch, split over processes (default: 32)"
