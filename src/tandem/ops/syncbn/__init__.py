@@ -224,7 +224,8 @@ class _SyncBatchNorm(torch.autograd.Function):
 # How long a rank that waits for the others' statistics on the CPU polls for them before it sleeps. A
 # sleeping rank is woken through Gloo's threads, which on a machine with a rank on every core often waits
 # for the scheduler: in `tandem bench --op train` (2 ranks, 2 cores) a step's 8 synchronizations took
-# 16.5-17.6 ms asleep against 12.0-12.3 ms polling, and an epoch 1.20-1.25x torch's against 1.32-1.34x.
+# 16.5-18.4 ms asleep against 10-12 ms polling, and an epoch 1.20-1.25x torch's against 1.31-1.34x (ranks
+# started under torchrun gained nothing measurable, BENCHMARKS.md).
 POLL_S = 0.02
 
 
