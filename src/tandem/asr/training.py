@@ -32,7 +32,7 @@ from tandem.asr.batch import Batch, collate
 from tandem.asr.checkpoint import CheckpointError, CheckpointStore, atomic_write
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
-from tandem.asr.distributed import Group, pick_device
+from tandem.asr.distributed import Group, pick_device, pin_to_cores
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
 from tandem.asr.interrupt import StopRequests, die_with_parent
@@ -518,9 +518,13 @@ def train(
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
     stop = StopRequests().install()
-    group = Group(pick_device(device), timeout)
+    where = pick_device(device)
+    threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if where.type == "cpu" and workers == 0:
+        pin_to_cores(threads)  # before the process group, whose threads then stay on this rank's cores
+    group = Group(where, timeout)
     try:
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // group.local_world))
+        torch.set_num_threads(threads)
         code = _train(config, Path(out), resume, group, checkpointing, stop, workers)
     finally:
         group.close()

@@ -50,11 +50,12 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, p: dict[str, Any]
     result: dict[str, Any]
     try:
         from tandem.asr.corpus import load_spoken_digits
-        from tandem.asr.distributed import Group
+        from tandem.asr.distributed import Group, pin_to_cores
         from tandem.asr.model import ModelConfig
         from tandem.asr.training import Run, TrainConfig, digit_sets
 
         torch.set_num_threads(p["threads"])
+        pin_to_cores(p["threads"])  # as tandem train's ranks are
         group = Group(torch.device("cpu"), timeout=300.0)
         # tandem train's defaults on the customary split (no augmentation there)
         config = TrainConfig(

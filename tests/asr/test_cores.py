@@ -1,0 +1,57 @@
+"""pin_to_cores: each rank of a node on cores of its own, in fresh processes (pinning this one would leave
+the rest of the suite on one core)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+_CHILD = """
+import json, os
+from tandem.asr.distributed import pin_to_cores
+before = sorted(os.sched_getaffinity(0))
+got = pin_to_cores({threads})
+print(json.dumps([before, got, sorted(os.sched_getaffinity(0))]))
+"""
+
+
+def _pin(threads: int, **env: str) -> tuple[list[int], list[int] | None, list[int]]:
+    child_env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    child_env.update(env, PYTHONPATH=os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH")))))
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD.format(threads=threads)],
+        env=child_env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    before, got, after = json.loads(done.stdout.strip().splitlines()[-1])
+    return before, got, after
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs sched_setaffinity and 2 cores")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_of_a_node_gets_its_own_core(rank):
+    before, got, after = _pin(1, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    assert got == [before[rank]] and after == got
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs sched_setaffinity and 2 cores")
+@pytest.mark.parametrize(
+    ("threads", "env"),
+    [
+        pytest.param(1, {}, id="single-process"),
+        pytest.param(
+            1, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(len(CORES) + 1)}, id="more-ranks-than-cores"
+        ),
+        pytest.param(len(CORES), {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, id="threads-do-not-fit"),
+    ],
+)
+def test_nothing_is_pinned_where_the_ranks_do_not_fit(threads, env):
+    before, got, after = _pin(threads, **env)
+    assert got is None and after == before
