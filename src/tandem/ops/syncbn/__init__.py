@@ -224,8 +224,9 @@ class _SyncBatchNorm(torch.autograd.Function):
 # How long a rank that waits for the others' statistics on the CPU polls for them before it sleeps. A
 # sleeping rank is woken through Gloo's threads, which on a machine with a rank on every core often waits
 # for the scheduler: in `tandem bench --op train` (2 ranks, 2 cores) a step's 8 synchronizations took
-# 16.5-18.4 ms asleep against 10-12 ms polling, and an epoch 1.20-1.25x torch's against 1.31-1.34x (ranks
-# started under torchrun gained nothing measurable, BENCHMARKS.md).
+# 16.5-18.4 ms asleep against 10-12 ms polling, and an epoch 1.20-1.25x torch's against 1.31-1.34x. Under
+# torchrun, with the ranks pinned to their cores as tandem train pins them, a step took 129-132 ms asleep
+# against 124-128 ms polling (unpinned, no difference was measurable).
 POLL_S = 0.02
 
 
