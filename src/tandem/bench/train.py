@@ -54,8 +54,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, p: dict[str, Any]
         from tandem.asr.model import ModelConfig
         from tandem.asr.training import Run, TrainConfig, digit_sets
 
+        pin_to_cores(p["threads"])  # as tandem train's ranks are, before torch's threads and Gloo's start
         torch.set_num_threads(p["threads"])
-        pin_to_cores(p["threads"])  # as tandem train's ranks are
         group = Group(torch.device("cpu"), timeout=300.0)
         # tandem train's defaults on the customary split (no augmentation there)
         config = TrainConfig(
