@@ -27,7 +27,7 @@ def pin_to_cores(threads: int) -> list[int] | None:
     """Keep this process (and the threads it starts from now on: Gloo's, torch's) on cores of its own: the
     ``threads`` cores from ``LOCAL_RANK * threads`` of those it may use, when every rank of the node fits
     (``LOCAL_WORLD_SIZE * threads`` of them). Returns the cores, or None when nothing was pinned (a single
-    process, ranks that do not fit, one rank that would take them all, or no ``sched_setaffinity``).
+    process, ranks that do not fit, or no ``sched_setaffinity``).
 
     Call it before the process group exists. Unpinned, a rank's communication threads are woken on
     whichever core the scheduler picks, often the one where the other rank computes: the speech
@@ -38,7 +38,7 @@ def pin_to_cores(threads: int) -> list[int] | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = sorted(os.sched_getaffinity(0))
-    if local_world < 2 or local_world * threads > len(cores) or threads >= len(cores):
+    if local_world < 2 or local_world * threads > len(cores):
         return None
     mine = cores[local_rank * threads : (local_rank + 1) * threads]
     os.sched_setaffinity(0, mine)
