@@ -55,3 +55,38 @@ def test_each_rank_of_a_node_gets_its_own_core(rank):
 def test_nothing_is_pinned_where_the_ranks_do_not_fit(threads, env):
     before, got, after = _pin(threads, **env)
     assert got is None and after == before
+
+
+_WORKERS = """
+import json, os
+import torch
+from tandem.asr.distributed import WorkerCores, pin_to_cores
+
+class Cores(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        return sorted(os.sched_getaffinity(0))
+
+before = sorted(os.sched_getaffinity(0))
+pin_to_cores(1)
+init = WorkerCores(before) if {give_back} else None
+loader = torch.utils.data.DataLoader(Cores(), batch_size=None, num_workers=1, worker_init_fn=init)
+print(json.dumps([before, sorted(os.sched_getaffinity(0)), [list(c) for c in loader]]))
+"""
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs sched_setaffinity and 2 cores")
+@pytest.mark.parametrize("give_back", [True, False])
+def test_a_pinned_ranks_workers_get_the_cores_it_had(give_back):
+    """tandem train pins a rank, then starts its DataLoader workers with WorkerCores: the workers run on
+    every core the rank had before, the rank stays on its own (without WorkerCores they would share it)."""
+    child_env = {**os.environ, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH"))))
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKERS.format(give_back=give_back)],
+        env=child_env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    before, rank, workers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rank == [before[1]]
+    assert workers == ([before, before] if give_back else [rank, rank])

@@ -32,7 +32,7 @@ from tandem.asr.batch import Batch, collate
 from tandem.asr.checkpoint import CheckpointError, CheckpointStore, atomic_write
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
-from tandem.asr.distributed import Group, pick_device, pin_to_cores
+from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
 from tandem.asr.interrupt import StopRequests, die_with_parent
@@ -302,10 +302,11 @@ class Run:
         done = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * done)))
 
-    def batches(self, workers: int = 0) -> Iterator[tuple[Batch, int]]:
+    def batches(self, workers: int = 0, worker_cores: list[int] | None = None) -> Iterator[tuple[Batch, int]]:
         """This rank's share of every remaining step's global batch, from the current position to the end of
         the run, as (collated batch, utterances in the global batch). With ``workers`` > 0, DataLoader
-        worker processes read, augment and compute features ahead of the steps."""
+        worker processes read, augment and compute features ahead of the steps, on ``worker_cores`` when
+        given (a pinned rank's: the cores it had before, see :class:`WorkerCores`)."""
         steps = [
             (epoch, position)
             for epoch in range(self.epoch, self.config.epochs)
@@ -314,7 +315,10 @@ class Run:
         shares = _Shares(self, steps)
         if workers == 0:
             return (shares[i] for i in range(len(shares)))
-        loader = torch.utils.data.DataLoader(shares, batch_size=None, num_workers=workers, prefetch_factor=4)
+        loader = torch.utils.data.DataLoader(
+            shares, batch_size=None, num_workers=workers, prefetch_factor=4,
+            worker_init_fn=None if worker_cores is None else WorkerCores(worker_cores),
+        )  # fmt: skip
         return iter(loader)
 
     def train_step(self, batch: Batch, global_size: int) -> tuple[float, int]:
@@ -520,12 +524,17 @@ def train(
     stop = StopRequests().install()
     where = pick_device(device)
     threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if where.type == "cpu" and workers == 0:
-        pin_to_cores(threads)  # before the process group, whose threads then stay on this rank's cores
+    worker_cores = None
+    if where.type == "cpu":
+        before = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        # before the process group, whose threads then stay on this rank's cores; its DataLoader workers
+        # get the cores back
+        if pin_to_cores(threads) is not None:
+            worker_cores = before
     group = Group(where, timeout)
     try:
         torch.set_num_threads(threads)
-        code = _train(config, Path(out), resume, group, checkpointing, stop, workers)
+        code = _train(config, Path(out), resume, group, checkpointing, stop, workers, worker_cores)
     finally:
         group.close()
     if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -605,6 +614,7 @@ def _train(
     checkpointing: Checkpointing,
     stop: StopRequests,
     workers: int,
+    worker_cores: list[int] | None,
 ) -> int:
     lead = group.lead
     data, error = _data_sets(config, group)
@@ -649,7 +659,7 @@ def _train(
         if lead:
             store.save(run.state(), run.step)
 
-    steps = run.batches(workers)
+    steps = run.batches(workers, worker_cores)
     while run.epoch < config.epochs and not stopped:
         epoch_start = time.perf_counter()
         count = len(run.batches_of(run.epoch))
