@@ -27,7 +27,15 @@ from tandem.asr.features import FeatureConfig
 from tandem.asr.model import ModelConfig
 from tandem.asr.text import Alphabet
 
-__all__ = ["Entry", "ManifestError", "ManifestSet", "ManifestUtterance", "ctc_frames_needed", "read_manifest"]
+__all__ = [
+    "Entry",
+    "ManifestError",
+    "ManifestSet",
+    "ManifestUtterance",
+    "check_entry",
+    "ctc_frames_needed",
+    "read_manifest",
+]
 
 MAX_PROBLEMS = 20
 
@@ -95,7 +103,7 @@ def read_manifest(
         except json.JSONDecodeError as e:
             problem = f"invalid JSON ({e.msg} at column {e.colno})"
         else:
-            entry_or_problem = _check(item, path, number, alphabet, features, model)
+            entry_or_problem = check_entry(item, path, number, alphabet, features, model)
             if isinstance(entry_or_problem, Entry):
                 entries.append(entry_or_problem)
             else:
@@ -111,10 +119,11 @@ def read_manifest(
     return entries
 
 
-def _check(
+def check_entry(
     item: object, manifest: Path, number: int, alphabet: Alphabet, features: FeatureConfig, model: ModelConfig
 ) -> Entry | str:
-    """The line's :class:`Entry`, or what is wrong with it."""
+    """Line ``number`` of ``manifest``, parsed as ``item``: its :class:`Entry`, or what is wrong with it
+    (the check :func:`read_manifest` makes of every line)."""
     if not isinstance(item, dict):
         return f"expected a JSON object, got {type(item).__name__}"
     missing = [k for k in ("audio_filepath", "text") if k not in item]
