@@ -23,14 +23,19 @@ print(json.dumps([before, got, sorted(os.sched_getaffinity(0))]))
 """
 
 
-def _pin(threads: int, **env: str) -> tuple[list[int], list[int] | None, list[int]]:
+def _child(script: str, **env: str) -> list:
+    """What ``script``, run in a fresh process with this checkout's tandem and ``env`` (LOCAL_RANK and
+    LOCAL_WORLD_SIZE only as given), prints as JSON on its last line."""
     child_env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     child_env.update(env, PYTHONPATH=os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH")))))
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(threads=threads)],
-        env=child_env, capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    before, got, after = json.loads(done.stdout.strip().splitlines()[-1])
+        [sys.executable, "-c", script], env=child_env, capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _pin(threads: int, **env: str) -> tuple[list[int], list[int] | None, list[int]]:
+    before, got, after = _child(_CHILD.format(threads=threads), **env)
     return before, got, after
 
 
@@ -81,12 +86,6 @@ print(json.dumps([before, sorted(os.sched_getaffinity(0)), [list(c) for c in loa
 def test_a_pinned_ranks_workers_get_the_cores_it_had(give_back):
     """tandem train pins a rank, then starts its DataLoader workers with WorkerCores: the workers run on
     every core the rank had before, the rank stays on its own (without WorkerCores they would share it)."""
-    child_env = {**os.environ, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH"))))
-    done = subprocess.run(
-        [sys.executable, "-c", _WORKERS.format(give_back=give_back)],
-        env=child_env, capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    before, rank, workers = json.loads(done.stdout.strip().splitlines()[-1])
+    before, rank, workers = _child(_WORKERS.format(give_back=give_back), LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
     assert rank == [before[1]]
     assert workers == ([before, before] if give_back else [rank, rank])
