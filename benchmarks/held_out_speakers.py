@@ -46,14 +46,12 @@ def run_speaker(speaker: str, seed: int, out: Path, extra: list[str]) -> dict:
             f"held_out_speakers: {speaker}, seed {seed} failed ({done.returncode}):\n{done.stderr[-2000:]}"
         )
     metrics = json.loads((folder / "metrics.json").read_text())
-    wers = [h["test_wer"] for h in metrics["history"]]
     return {
         "speaker": speaker,
         "seed": seed,
         "wer": metrics["test_wer"],
         "cer": metrics["test_cer"],
-        "best_wer": min(wers),
-        "best_epoch": wers.index(min(wers)) + 1,
+        "best_wer": min(h["test_wer"] for h in metrics["history"]),
         "train_s": metrics["train_seconds"],
         "wall_s": wall,
     }
@@ -122,6 +120,8 @@ def main() -> None:
     args = parser.parse_args()
     if any(a == "--seed" or a.startswith("--seed=") for a in args.extra):
         parser.error("--seed after --: give the seeds with --seeds")
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds: expected different seeds, got {args.seeds}")
     runs = []
     for speaker in args.speakers:
         for seed in args.seeds:
