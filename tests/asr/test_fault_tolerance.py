@@ -1,21 +1,24 @@
 """Training that survives failures: a worker killed mid-epoch (torchrun restarts the group, which continues
-from its checkpoint), Ctrl-C and --resume, damaged checkpoints, two nodes, a node that dies. Every run is
-compared with an uninterrupted run of the same seed, bit for bit (Gloo on 127.0.0.1, one thread a process,
-every wait bounded, every process ended)."""
+from its checkpoint), Ctrl-C and --resume, damaged checkpoints, a checkpoint that cannot be written, two
+nodes, a node that dies. Every run is compared with an uninterrupted run of the same seed, bit for bit
+(Gloo on 127.0.0.1, one thread a process, every wait bounded, every process ended)."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from _cli import finish, free_port, processes_mentioning, start, tandem, wait_for
+from _cli import env, finish, free_port, processes_mentioning, start, tandem, wait_for
 
-from tandem.asr.checkpoint import CheckpointStore, load_checkpoint
+from tandem.asr.checkpoint import CheckpointStore, CheckpointWriteError, load_checkpoint
 
 # one epoch of a tiny model (22 steps), a checkpoint every 5 steps
 TINY = ("--hidden", "32", "--layers", "1", "--epochs", "1", "--threads", "1", "--checkpoint-every", "5")
@@ -151,6 +154,40 @@ def test_checkpoints_rotate(tmp_path):
     assert os.path.samefile(store.path, tmp_path / "checkpoint-00000015.pt")
     with pytest.raises(ValueError, match="keep >= 1"):
         CheckpointStore(tmp_path, keep=0)
+
+
+def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    state = {"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": {}, "step": 5}
+    store.save(state, 5)
+    (tmp_path / "checkpoint-00000010.pt").mkdir()  # where step 10's goes: the rename onto it fails
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint-00000010\.pt: not written \(.*\); .* free"):
+        store.save({**state, "step": 10}, 10)
+    assert load_checkpoint(store.path)["step"] == 5
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["checkpoint-00000005.pt", "checkpoint-00000010.pt", "checkpoint.pt"]  # no temporaries
+
+
+def test_a_full_disk_stops_the_run_with_a_clear_error_and_no_restarts(tmp_path):
+    """A limit on file sizes fails the first checkpoint's write (EFBIG, as a full disk's ENOSPC would): the
+    ranks stop together, the error names the file, and torchrun does not restart them into it again."""
+    out = tmp_path / "run"
+    limit = 64 * 1024  # TINY's checkpoint is ~0.4 MB; the TensorBoard events stay below
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    command = ["--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port()]
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem", "train", *command],
+        capture_output=True, text=True, timeout=300, env=env(), preexec_fn=small_files,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "tandem train: error: the checkpoint after step 5: " in done.stderr, done.stderr[-3000:]
+    assert "checkpoint-00000005.pt: not written" in done.stderr and "No checkpoint of this run" in done.stderr
+    assert "Traceback" not in done.stderr and "torchrun exit status" not in done.stderr
+    assert done.stdout.count("tandem train: speech recognition") == 1  # one launch: no restarts
+    assert not list(out.glob("*.pt")) and not list(out.glob(".*tmp*"))
 
 
 def _two_nodes(tmp_path: Path, *extra: str) -> tuple[list, Path]:

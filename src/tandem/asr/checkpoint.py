@@ -16,6 +16,7 @@ __all__ = [
     "VERSION",
     "CheckpointError",
     "CheckpointStore",
+    "CheckpointWriteError",
     "atomic_write",
     "save_checkpoint",
     "load_checkpoint",
@@ -28,6 +29,12 @@ _REQUIRED = ("model_config", "feature_config", "alphabet", "model")
 
 class CheckpointError(ValueError):
     """A file that is not a readable recognizer checkpoint of a version this tandem knows."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a file size limit, a folder gone). The
+    message names the file, the reason and the free space where it was going; whatever was there before
+    is left as it was."""
 
 
 def atomic_write(write: Callable[[Path], Any], path: Path) -> None:
@@ -61,12 +68,39 @@ def _fsync_dir(folder: Path) -> None:
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     """Save ``state`` (which holds at least the model's configuration, feature settings, alphabet
-    characters and ``model`` state_dict) with the format's name and version, atomically."""
+    characters and ``model`` state_dict) with the format's name and version, atomically. A write that
+    fails raises :class:`CheckpointWriteError` and leaves ``path`` as it was."""
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
         raise ValueError(f"save_checkpoint: expected keys {list(_REQUIRED)}, missing {missing}")
     full = {"format": FORMAT, "version": VERSION, **state}
-    atomic_write(lambda tmp: torch.save(full, tmp), path)
+    try:
+        atomic_write(lambda tmp: torch.save(full, tmp), path)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointWriteError(_not_written(path, e, _tensor_bytes(full))) from e
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _not_written(path: Path, error: BaseException, size: int | None = None) -> str:
+    # torch.save reports a failed write as its C++ writer's assertion ("unexpected pos 704 vs 598"), not
+    # the OS error: the free space and the size beside it tell a full disk from the rest
+    lines = str(error).strip().splitlines()
+    reason = getattr(error, "strerror", None) or (lines[0] if lines else type(error).__name__)
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = "its folder unreadable"
+    need = f" for ~{size / 2**20:.1f} MiB of tensors" if size else ""
+    return f"{path}: not written ({reason}); {free}{need}"
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -138,16 +172,21 @@ class CheckpointStore:
         return sorted((p for p in self.folder.glob("checkpoint-*.pt") if step(p) >= 0), key=step)
 
     def save(self, state: dict[str, Any], step: int) -> Path:
-        """Write ``state`` as the newest checkpoint (see the class docstring); returns its numbered path."""
+        """Write ``state`` as the newest checkpoint (see the class docstring); returns its numbered path.
+        Raises :class:`CheckpointWriteError` if it cannot, with ``checkpoint.pt`` still the one before."""
         target = self.folder / f"checkpoint-{step:08d}.pt"
         save_checkpoint(state, target)
         link = self.folder / f".{self.NAME}.link-{os.getpid()}"
         link.unlink(missing_ok=True)
         try:
-            os.link(target, link)
-        except OSError:
-            shutil.copyfile(target, link)
-        os.replace(link, self.path)
+            try:
+                os.link(target, link)
+            except OSError:
+                shutil.copyfile(target, link)
+            os.replace(link, self.path)
+        except OSError as e:
+            link.unlink(missing_ok=True)
+            raise CheckpointWriteError(_not_written(self.path, e)) from e
         _fsync_dir(self.folder)
         for old in self.numbered()[: -self.keep]:
             if old != target:

@@ -8,7 +8,12 @@ import signal
 import sys
 from types import FrameType
 
-__all__ = ["StopRequests", "die_with_parent"]
+__all__ = ["EXIT_FILE_ENV", "StopRequests", "die_with_parent"]
+
+# Where the ranks under tandem train's launcher leave an exit status that a restart would meet again (bad
+# data, a diverged loss, a checkpoint not written): they exit 0 so that torchrun ends instead of
+# restarting them, and the launcher returns the status it finds there.
+EXIT_FILE_ENV = "TANDEM_TRAIN_EXIT_FILE"
 
 
 class StopRequests:

@@ -29,19 +29,28 @@ from tqdm import tqdm
 import tandem
 from tandem.asr.augment import Augmentation
 from tandem.asr.batch import Batch, collate
-from tandem.asr.checkpoint import CheckpointError, CheckpointStore, atomic_write
+from tandem.asr.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError, atomic_write
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
 from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
-from tandem.asr.interrupt import StopRequests, die_with_parent
+from tandem.asr.interrupt import EXIT_FILE_ENV, StopRequests, die_with_parent
 from tandem.asr.manifest import Entry, ManifestError, ManifestSet, read_manifest
 from tandem.asr.metrics import ErrorRates, error_rates
 from tandem.asr.model import TORCH_PARTS, DeepSpeech2, ModelConfig
 from tandem.asr.text import ENGLISH, Alphabet
 
-__all__ = ["TrainConfig", "Checkpointing", "Run", "train", "resume_mismatch", "TEST_SEED", "EXIT_STOPPED"]
+__all__ = [
+    "TrainConfig",
+    "Checkpointing",
+    "Run",
+    "train",
+    "resume_mismatch",
+    "TEST_SEED",
+    "EXIT_STOPPED",
+    "EXIT_NOT_SAVED",
+]
 
 TEST_SEED = 20240502  # the test set's plan: fixed, so that every run is scored on the same utterances
 TEST_PASSES = 2  # each test recording appears in two test utterances: 600 words on the customary split
@@ -496,6 +505,7 @@ class Checkpointing:
 
 
 EXIT_STOPPED = 130  # as a shell reports a program ended by Ctrl-C
+EXIT_NOT_SAVED = 1  # a checkpoint could not be written (a full disk); the run stops at that step
 
 
 def train(
@@ -511,7 +521,11 @@ def train(
 ) -> int:
     """Train (this rank's part of) a recognizer; rank 0 writes checkpoints as ``checkpointing`` says, and
     ``metrics.json`` and ``training_curve.png`` at the end. Returns the exit status: 0 done,
-    :data:`EXIT_STOPPED` stopped by SIGINT or SIGTERM (after a checkpoint), 2 nothing to resume from.
+    :data:`EXIT_STOPPED` stopped by SIGINT or SIGTERM (after a checkpoint), 2 nothing to resume from or
+    bad data, 1 a loss that became NaN or a checkpoint that could not be written (:data:`EXIT_NOT_SAVED`:
+    the run stops there, keeping the checkpoints before it). Where tandem train's launcher set
+    ``EXIT_FILE_ENV`` (:mod:`tandem.asr.interrupt`), a status other than 0 goes to that file and the
+    process returns 0 instead, so that torchrun does not restart ranks into what ended them.
 
     Under torchrun the process dies with its agent, and a run restarted by torchrun (after a worker
     failed) continues from the newest complete checkpoint of this launch by itself. ``threads``: torch's
@@ -539,6 +553,11 @@ def train(
         group.close()
     if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
         code = 0  # a clean stop: torchrun must neither restart the workers nor report a failure
+    elif code != 0 and os.environ.get(EXIT_FILE_ENV):
+        # every rank returns the same status (each comes from a collective verdict), so each node's
+        # launcher learns it from its own ranks
+        Path(os.environ[EXIT_FILE_ENV]).write_text(f"{code}\n")
+        code = 0
     group.leave(code)
     return code
 
@@ -568,6 +587,14 @@ def _starting_state(
         else:
             store.clear()
     return group.broadcast(decision)  # type: ignore[return-value]
+
+
+def _newest_checkpoint(store: CheckpointStore) -> str:
+    """Which checkpoint a --resume would continue from, as a sentence."""
+    state, path, _ = store.latest()
+    if state is None:
+        return f"No checkpoint of this run is in {store.folder}"
+    return f"The newest complete one is {path} (step {state.get('step')})"
 
 
 def _test_set_name(config: TrainConfig) -> str:
@@ -649,15 +676,32 @@ def _train(
         )
 
     started = last_save = time.perf_counter()
-    stopped = False
+    stopped = not_saved = False
     board = _Board(out if lead else None, run.step)
 
-    def save() -> None:
+    def save() -> bool:
+        """Rank 0 writes a checkpoint; False on every rank if it could not (every rank calls this after
+        the same step, and learns the outcome from one all-reduce)."""
         nonlocal last_save
         run.seconds_before += time.perf_counter() - last_save
         last_save = time.perf_counter()
+        problem = None
         if lead:
-            store.save(run.state(), run.step)
+            try:
+                store.save(run.state(), run.step)
+            except CheckpointWriteError as e:
+                problem = str(e)
+        if group.sum([float(problem is not None)])[0] == 0:
+            return True
+        if lead:
+            newest = _newest_checkpoint(store)
+            print(
+                f"tandem train: error: the checkpoint after step {run.step}: {problem}. {newest}: make "
+                "room, then run the same command with --resume to continue from it",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
 
     steps = run.batches(workers, worker_cores)
     while run.epoch < config.epochs and not stopped:
@@ -679,13 +723,13 @@ def _train(
             board.scalars(run.step, {"train/loss": step_loss, "train/learning_rate": run.learning_rate()})
             bar.update()
             stopped = stopped or n_stop > 0
-            if run.position < count and (n_save or stopped):
-                save()  # mid-epoch; the epoch's end saves anyway
-            if stopped:
+            if run.position < count and (n_save or stopped):  # the epoch's end saves anyway
+                not_saved = not save()
+            if stopped or not_saved:
                 break
         bar.close()
         if run.position < count:
-            break  # stopped mid-epoch
+            break  # stopped mid-epoch, or a checkpoint not written
         loss_sum, count = run.end_epoch()
         train_seconds = time.perf_counter() - epoch_start
         rates, examples = run.evaluate()
@@ -718,11 +762,15 @@ def _train(
                 flush=True,
             )
         board.epoch(run.step, record, examples)
-        save()
+        not_saved = not save()
+        if not_saved:
+            break
         # a signal that came during the evaluation stops the run here, after that epoch's checkpoint
         stopped = stopped or group.sum([float(stop.signal is not None)])[0] > 0
 
     board.close()
+    if not_saved:
+        return EXIT_NOT_SAVED
     if stopped:
         if lead:
             print(

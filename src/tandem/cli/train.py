@@ -409,9 +409,14 @@ def _launch(args: argparse.Namespace) -> int:
     after their current step (the ranks on other nodes with them: they agree after every step), write a
     checkpoint and end normally, so torchrun neither restarts them nor reports a failure; a second signal
     ends everything at once (torchrun and, as they die with it, the workers)."""
-    from tandem.asr.interrupt import die_with_parent
+    from tandem.asr.interrupt import EXIT_FILE_ENV, die_with_parent
 
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # the ranks' verdict that no restart can change (see tandem.asr.training.train): its exit status
+    folder = tempfile.TemporaryDirectory(prefix="tandem-train-")
+    exit_file = Path(folder.name) / "exit-status"
+    env = dict(
+        os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{EXIT_FILE_ENV: str(exit_file)}
+    )
     # a session of its own: a Ctrl-C in the terminal reaches this launcher only, which passes it on once
     proc = subprocess.Popen(
         _torchrun_command(args), env=env, start_new_session=True, preexec_fn=die_with_parent
@@ -436,9 +441,13 @@ def _launch(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = proc.wait()
+        said = code == 0 and exit_file.exists()  # the ranks ended the run and said why (stderr)
+        if said:
+            code = int(exit_file.read_text())
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        folder.cleanup()
     if received:
         if args.task == "asr" and any(args.out.glob("checkpoint*.pt")):
             print(
@@ -447,7 +456,7 @@ def _launch(args: argparse.Namespace) -> int:
                 flush=True,
             )
         return 128 + received[0]
-    if code != 0:
+    if code != 0 and not said:
         where = (
             f" (with {args.nnodes} nodes: a node that failed or never joined ends the run within "
             f"--rdzv-timeout, {args.rdzv_timeout:g} s)"
