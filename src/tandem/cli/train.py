@@ -443,7 +443,8 @@ def _launch(args: argparse.Namespace) -> int:
         code = proc.wait()
         said = code == 0 and exit_file.exists()  # the ranks ended the run and said why (stderr)
         if said:
-            code = int(exit_file.read_text())
+            text = exit_file.read_text().strip()
+            code = int(text) if text.isdigit() else 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
