@@ -190,6 +190,17 @@ def test_a_full_disk_stops_the_run_with_a_clear_error_and_no_restarts(tmp_path):
     assert not list(out.glob("*.pt")) and not list(out.glob(".*tmp*"))
 
 
+def test_metrics_that_cannot_be_written_are_a_clear_error_after_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    (out / "metrics.json").mkdir(parents=True)  # the rename onto it fails, as a full disk's write would
+    done = tandem("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port())
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"tandem train: error: {out / 'metrics.json'}: not written (" in done.stderr, done.stderr[-3000:]
+    assert "the run is done and wrote checkpoint.pt to" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout.count("tandem train: speech recognition") == 1
+    assert load_checkpoint(out / "checkpoint.pt")["epoch"] == 1
+
+
 def _two_nodes(tmp_path: Path, *extra: str) -> tuple[list, Path]:
     out, port = tmp_path / "run", free_port()
     procs = [

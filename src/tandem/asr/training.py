@@ -805,10 +805,21 @@ def _train(
         "torch_version": torch.__version__,
     }
     text = json.dumps(metrics, indent=2)
-    atomic_write(lambda tmp: tmp.write_text(text + "\n"), out / "metrics.json")
-    written.append("metrics.json")
-    if run.history and _plot(run.history, out / "training_curve.png"):
-        written.append("training_curve.png")
+    name = "metrics.json"
+    try:
+        atomic_write(lambda tmp: tmp.write_text(text + "\n"), out / name)
+        written.append(name)
+        name = "training_curve.png"
+        if run.history and _plot(run.history, out / name):
+            written.append(name)
+    except OSError as e:  # rank 0 alone, after the last collective: the others have ended
+        print(
+            f"tandem train: error: {out / name}: not written ({e.strerror or e}); the run is done and "
+            + (f"wrote {', '.join(written)} to {out}" if written else "wrote nothing more"),
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     if board.writer is not None:
         written.append("TensorBoard events")
     wer = (
