@@ -20,6 +20,7 @@ __all__ = [
     "atomic_write",
     "save_checkpoint",
     "load_checkpoint",
+    "not_written",
 ]
 
 FORMAT = "tandem.asr.recognizer"
@@ -77,7 +78,7 @@ def save_checkpoint(state: dict[str, Any], path: Path) -> None:
     try:
         atomic_write(lambda tmp: torch.save(full, tmp), path)
     except (OSError, RuntimeError) as e:
-        raise CheckpointWriteError(_not_written(path, e, _tensor_bytes(full))) from e
+        raise CheckpointWriteError(not_written(path, e, _tensor_bytes(full))) from e
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -90,7 +91,9 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _not_written(path: Path, error: BaseException, size: int | None = None) -> str:
+def not_written(path: Path, error: BaseException, size: int | None = None) -> str:
+    """Why ``path`` was not written, as a message: ``error``'s reason, the free space in its folder and,
+    given, the ``size`` in bytes that was going there."""
     # torch.save reports a failed write as its C++ writer's assertion ("unexpected pos 704 vs 598"), not
     # the OS error: the free space and the size beside it tell a full disk from the rest
     lines = str(error).strip().splitlines()
@@ -186,7 +189,7 @@ class CheckpointStore:
             os.replace(link, self.path)
         except OSError as e:
             link.unlink(missing_ok=True)
-            raise CheckpointWriteError(_not_written(self.path, e)) from e
+            raise CheckpointWriteError(not_written(self.path, e)) from e
         _fsync_dir(self.folder)
         for old in self.numbered()[: -self.keep]:
             if old != target:

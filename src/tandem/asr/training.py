@@ -29,7 +29,13 @@ from tqdm import tqdm
 import tandem
 from tandem.asr.augment import Augmentation
 from tandem.asr.batch import Batch, collate
-from tandem.asr.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError, atomic_write
+from tandem.asr.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    CheckpointWriteError,
+    atomic_write,
+    not_written,
+)
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
 from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores
@@ -814,7 +820,7 @@ def _train(
             written.append(name)
     except OSError as e:  # rank 0 alone, after the last collective: the others have ended
         print(
-            f"tandem train: error: {out / name}: not written ({e.strerror or e}); the run is done and "
+            f"tandem train: error: {not_written(out / name, e)}; the run is done and "
             + (f"wrote {', '.join(written)} to {out}" if written else "wrote nothing more"),
             file=sys.stderr,
             flush=True,
