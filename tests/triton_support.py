@@ -19,6 +19,7 @@ __all__ = [
     "TRITON_VERSION",
     "LaunchCounter",
     "compile_sm90",
+    "compiled_variants",
     "sm90_signature",
     "local_memory_bytes",
     "needs_triton",
@@ -114,6 +115,18 @@ def local_memory_bytes(cubin: bytes, tmp_path: Path) -> int:
     stack = re.search(r"STACK:(\d+)", usage.stdout)
     assert stack, usage.stdout + usage.stderr
     return int(stack.group(1))
+
+
+def compiled_variants(kernel) -> int:
+    """How many builds of the Triton kernel ``kernel`` this process holds (all devices, all specialisations
+    of its arguments); skips where the Triton in use keeps them elsewhere or compiles nothing (the
+    interpreter)."""
+    if TRITON_DEVICE != "cuda":
+        pytest.skip("the interpreter compiles nothing")
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere (no JITFunction.device_caches)")
+    return sum(len(entry[0]) for entry in caches.values())
 
 
 class LaunchCounter:

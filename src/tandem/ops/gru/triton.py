@@ -105,7 +105,7 @@ _PERSISTENT_WARPS = {
 }
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_prev_d", "prev_row0", "row0", "n_rows", "total"])
 def _gru_fwd_step(
     p_gates,  # [D, P, 3H]: in: the input projection (n part doubled); out: r, z, n
     p_hn,  # [D, P, H]: out: W_hn h_prev + b_hn
@@ -168,7 +168,7 @@ def _gru_fwd_step(
     tl.store(p_states + o_row, b_h.to(out_dtype), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row0", "n_rows", "batch", "total"])
 def _gru_bwd_step(
     p_dhin,  # [D, B, H] fp32: dL/dh of this step's states, except the output's part
     p_dhout,  # [D, B, H] fp32: out: dL/dh_prev
@@ -239,7 +239,7 @@ def _gru_bwd_step(
     tl.store(p_dhout + o_carry + o_k[None, :], (b_acc + b_dh * b_z).to(p_dhout.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_steps", "batch", "total"])
 def _gru_fwd_persistent(
     p_gates,  # [D, P, 3H]: in: the input projection (n part doubled); out: r, z, n
     p_hn,  # [D, P, H]: out: W_hn h_prev + b_hn
@@ -300,7 +300,7 @@ def _gru_fwd_persistent(
             tl.store(p_states + o_row, b_h, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_steps", "batch", "total"])
 def _gru_bwd_persistent(
     p_dhn,  # [D, B, H]: dL/dh_n, each sequence's carried gradient from its last step on
     p_dh0,  # [D, B, H] in the compute dtype: out: dL/dh0

@@ -136,7 +136,7 @@ if TRITON_VERSION < (3, 7):
     _PERSISTENT_WARPS["bwd", "fp64"] = {}
 
 
-@triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "n"])
+@triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "n", "P"])
 def _lstm_fwd_kernel(
     p_gates,  # [D, P, 4H] in: the step's input projection; out: (i, f, sigmoid(2 a_g), o)
     p_cells,  # [D, P, H] out: C = 2c
@@ -204,7 +204,7 @@ def _lstm_fwd_kernel(
     tl.store(p_h + r_row[:, None] * H + o_j[None, :], b_hn.to(DTYPE), mask=m)
 
 
-@triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "o_dh", "s_dh_d", "n"])
+@triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "o_dh", "s_dh_d", "n", "P", "B"])
 def _lstm_bwd_kernel(
     p_gates,  # [D, P, 4H] saved (i, f, sigmoid(2 a_g), o)
     p_cells,  # [D, P, H] saved C = 2c
@@ -295,7 +295,7 @@ def _lstm_bwd_kernel(
     tl.store(p_dho, b_acc.to(p_dhout.dtype.element_ty), mask=m_b[:, None] & m_r[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_steps", "B", "P"])
 def _lstm_fwd_persistent(
     p_gates,  # [D, P, 4H] in: the input projection; out: (i, f, sigmoid(2 a_g), o)
     p_cells,  # [D, P, H] out: C = 2c
@@ -355,7 +355,7 @@ def _lstm_fwd_persistent(
             tl.store(p_states + r_row[:, None] * H + o_j[None, :], b_h, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_steps", "B", "P"])
 def _lstm_bwd_persistent(
     p_gates,  # [D, P, 4H] saved (i, f, sigmoid(2 a_g), o)
     p_cells,  # [D, P, H] saved C = 2c
