@@ -3,34 +3,59 @@
 # the Triton kernels' tests on CUDA, then the GPU benchmarks, tables last. Run from the repository root:
 #   bash benchmarks/gpu_session.sh [--quick]
 #   PARTS="gru lstm" bash benchmarks/gpu_session.sh --quick     # some parts only
-# PARTS (default "tests gru lstm adagrad") picks what runs, in that order; a device call runs at most
-# 10 minutes, so where all of it may not fit in one, run "tests" first and the benchmarks in later calls.
+# PARTS (default "tests train profile bench-train adagrad transcribe gru lstm") picks what runs, in that
+# order; a device call runs at most 10 minutes, so each part is cut at CAP seconds (default 240) and the next
+# one runs. "train" is tandem train's speech recognizer on the GPU (one process, EPOCHS epochs, default 4);
+# "profile" is benchmarks/gpu_profile.py (a GRU and an LSTM training step, kernel by kernel); "bench-train"
+# is `tandem bench --op train` (the whole job, tandem's parts against torch's).
 # Bench options (--quick, --min-time S) go to every benchmark.
-# Writes CSVs, charts and logs under $OUT (the device tool brings that folder back), else /tmp.
+# Writes the logs, one CSV of every benchmark, the GRU/LSTM charts and the run's metrics.json under $OUT
+# (the device tool brings back at most 8 files from that folder), else /tmp/tandem-gpu.
 set -uo pipefail
 export PYTHONPATH=src
 out=${OUT:-/tmp/tandem-gpu}
-parts=${PARTS:-tests gru lstm adagrad}
+parts=${PARTS:-tests train profile bench-train adagrad transcribe gru lstm}
+cap=${CAP:-240}
 mkdir -p "$out"
-python3 - <<'PY' | tee "$out/versions.txt"
+python3 - <<'PY' | tee "$out/session.txt"
 import torch, triton
 print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
 PY
+# session.txt: the versions, then the profile
 for part in $parts; do
     case $part in
     tests)
         # every Triton test in tests/ops runs on CUDA here (not in the interpreter)
-        python3 -m pytest -q -p no:cacheprovider tests/ops -k "triton_kernel_" >"$out/pytest.log" 2>&1
+        # in 8 processes where pytest-xdist is there: compiling the kernels is most of the time
+        xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+        timeout "$cap" python3 -m pytest -q -p no:cacheprovider $xdist --timeout 120 tests/ops \
+            -k "triton_kernel_" >"$out/pytest.log" 2>&1
         echo "pytest exit $?: $(tail -n 1 "$out/pytest.log")"
+        grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -n 40
         ;;
-    gru | lstm | adagrad)
-        python3 -m tandem bench --op "$part" --device cuda "$@" --csv "$out/$part.csv" \
-            --plot "$out/$part.png" >"$out/bench-$part.txt" 2>&1
+    train)
+        runs=$(mktemp -d)
+        timeout "$cap" python3 -m tandem train --device cuda --nproc 1 --epochs "${EPOCHS:-4}" \
+            --out "$runs/asr" >"$out/train.log" 2>&1
+        echo "train exit $?"
+        tr '\r' '\n' <"$out/train.log" | grep -aE "test WER|^done|error|Error" | tail -n 12
+        cp "$runs/asr/metrics.json" "$out/" 2>/dev/null
+        ;;
+    profile)
+        timeout "$cap" python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$out/session.txt"
+        ;;
+    gru | lstm | adagrad | transcribe | bench-train)
+        part=${part#bench-}
+        plot=()
+        [[ $part == gru || $part == lstm ]] && plot=(--plot "$out/$part.png")
+        timeout "$cap" python3 -m tandem bench --op "$part" --device cuda "$@" --csv "$out/bench.csv" \
+            "${plot[@]}" >"$out/bench-part.txt" 2>&1
         echo "bench $part exit $?"
-        cat "$out/bench-$part.txt"
+        cat "$out/bench-part.txt" | tee -a "$out/bench.txt"
+        rm -f "$out/bench-part.txt"
         ;;
     *)
-        echo "unknown part $part (tests, gru, lstm, adagrad)" >&2
+        echo "unknown part $part (tests, train, profile, bench-train, gru, lstm, adagrad, transcribe)" >&2
         ;;
     esac
 done
