@@ -15,7 +15,7 @@ def test_both_stacks_train_an_epoch_in_one_group_and_the_summary_reads(monkeypat
     """The group runs under a process of its own, whose exit shows what the ranks left behind: they end
     with os._exit, and a multiprocessing lock of theirs (tqdm's) was never unlinked, so the resource
     tracker of the process that spawned them warned of leaked semaphores when it shut down."""
-    p = dict(id="tiny", cell="gru", hidden=16, layers=1, world=2, epochs=1, threads=1)
+    p = dict(id="tiny", cell="gru", hidden=16, layers=1, world=2, epochs=1, threads=1, device="cpu")
     code = (
         "import sys, torch\n"
         "from tandem.bench import train\n"

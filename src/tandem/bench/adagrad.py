@@ -1,6 +1,7 @@
 """Benchmark of ``tandem.optim.Adagrad``: one ``optimizer.step()`` against torch.optim.Adagrad's three paths.
 
-Providers: ``torch`` (the baseline: torch's fused kernel, ``fused=True``), ``torch-foreach``,
+Providers: ``torch`` (the baseline: torch's fastest path, its fused kernel, ``fused=True``, on the CPU, and
+``foreach=True``, its default, on GPUs, where torch.optim.Adagrad has no fused kernel), ``torch-foreach``,
 ``torch-forloop`` (``foreach=False``, torch's default on CPU), ``tandem`` and ``tandem-tol`` (tandem with
 ``tol`` set, i.e. with the largest-change reduction). Each factory builds float32 parameters, constant
 gradients and the optimizer outside the timed region; the thunk is one ``step()``.
@@ -41,6 +42,13 @@ def _provider(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
     return factory
 
 
+def _torch_fastest(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    # torch.optim.Adagrad(fused=True) refuses CUDA tensors ("`fused=True` requires ... supported devices:
+    # ['mps', 'xpu', 'hpu', 'cpu', ...]", torch 2.11 on an H200)
+    fused = ps[0].device.type == "cpu"
+    return torch.optim.Adagrad(ps, **({"fused": True} if fused else {"foreach": True}))
+
+
 def _tandem(**kwargs: Any) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
     def build(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         from tandem.optim import Adagrad
@@ -54,7 +62,7 @@ ADAGRAD_BENCH = register(
     OpBench(
         op="adagrad",
         providers={
-            "torch": _provider(lambda ps: torch.optim.Adagrad(ps, fused=True)),
+            "torch": _provider(_torch_fastest),
             "torch-foreach": _provider(lambda ps: torch.optim.Adagrad(ps, foreach=True)),
             "torch-forloop": _provider(lambda ps: torch.optim.Adagrad(ps, foreach=False)),
             "tandem": _provider(_tandem()),

@@ -7,6 +7,8 @@ speech recognizer of ``tandem train`` twice over, once from tandem's parts and o
 seed. Their epochs alternate (the order swapping every epoch), so the load of the machine falls on both
 alike; each epoch's training time is one sample, and after the last epoch both models are scored on the
 same test set. The summary under the table gives the seconds per epoch and the WER each reached.
+
+On a GPU the ranks are one per GPU (NCCL): the CUDA shapes take one process, which any one GPU runs.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, p: dict[str, Any]
 
         pin_to_cores(p["threads"])  # as tandem train's ranks are, before torch's threads and Gloo's start
         torch.set_num_threads(p["threads"])
-        group = Group(torch.device("cpu"), timeout=300.0)
+        device = torch.device("cuda", rank) if p["device"] == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group = Group(device, timeout=300.0)
         # tandem train's defaults on the customary split (no augmentation there)
         config = TrainConfig(
             model=ModelConfig(cell=p["cell"], hidden=p["hidden"], layers=p["layers"]),
@@ -72,6 +77,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, p: dict[str, Any]
                 group.barrier()
                 start = time.perf_counter()
                 runs[stack].train_epoch()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 seconds[stack].append(group.max([time.perf_counter() - start])[0])
         rates = {stack: run.evaluate()[0].as_tuple() for stack, run in runs.items()}
         result = {"seconds": seconds, "rates": rates}
@@ -118,8 +125,8 @@ _CACHE: dict[tuple, dict[str, Any]] = {}
 
 def _provider(stack: str):
     def factory(params: dict[str, Any], device: torch.device, mode: str):
-        if device.type != "cpu":
-            raise ValueError(f"bench train: runs on the CPU (Gloo), got device {device}")
+        if device.type != params["device"]:
+            raise ValueError(f"bench train: shape {params['id']} runs on {params['device']}, got {device}")
         # the ranks share the runner's threads (two ranks on the default two threads: one each)
         p = {**params, "threads": max(1, torch.get_num_threads() // params["world"])}
         key = tuple(sorted(p.items()))
@@ -135,11 +142,17 @@ def _provider(stack: str):
 
 
 def _shape(
-    cell: str, epochs: int, quick: bool = False, world: int = 2, hidden: int = 128, layers: int = 3
+    cell: str,
+    epochs: int,
+    quick: bool = False,
+    world: int = 2,
+    hidden: int = 128,
+    layers: int = 3,
+    device: str = "cpu",
 ) -> Shape:
-    id_ = f"asr-{cell}-H{hidden}-L{layers}-w{world}-{epochs}ep"
-    params = dict(id=id_, cell=cell, hidden=hidden, layers=layers, world=world, epochs=epochs)
-    return Shape(id_, params, quick=quick, devices=("cpu",))
+    id_ = f"asr-{cell}-H{hidden}-L{layers}-w{world}-{epochs}ep" + ("-cuda" if device == "cuda" else "")
+    params = dict(id=id_, cell=cell, hidden=hidden, layers=layers, world=world, epochs=epochs, device=device)
+    return Shape(id_, params, quick=quick, devices=(device,))
 
 
 def summary(rows: list[Any]) -> str:
@@ -169,9 +182,16 @@ TRAIN_BENCH = register(
     OpBench(
         op="train",
         providers={"torch": _provider("torch"), "tandem": _provider("tandem")},
-        shapes=(_shape("gru", 2, quick=True), _shape("gru", 10), _shape("lstm", 10)),
+        shapes=(
+            _shape("gru", 2, quick=True),
+            _shape("gru", 10),
+            _shape("lstm", 10),
+            _shape("gru", 6, quick=True, world=1, device="cuda"),
+            _shape("lstm", 6, world=1, device="cuda"),
+        ),
         modes=("train",),
-        description="epochs of tandem train's speech recognizer, tandem's parts vs torch's, 2 Gloo ranks",
+        description="epochs of tandem train's speech recognizer, tandem's parts vs torch's, 2 Gloo ranks "
+        "(one process on a GPU)",
         timing="self",
         extra={"summary": summary},
     )
