@@ -3,10 +3,12 @@ Gloo on 127.0.0.1, bounded in time, on a small model (stopping and resuming: tes
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from _cli import free_port, tandem
 
 from tandem.asr.checkpoint import load_checkpoint
@@ -98,6 +100,42 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, args, mess
     done = tandem(*args, "--out", str(out), timeout=60)
     assert done.returncode == 2 and message in done.stderr
     assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused_before_launching(tmp_path):
+    out = tmp_path / "out"
+    done = tandem("--device", "cuda", "--out", str(out), timeout=60)
+    assert done.returncode == 2 and "--device cuda: CUDA is not available" in done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "device, gpus, nproc, expected",
+    [
+        ("auto", 0, None, 2),  # no GPU: two processes on the CPU
+        ("auto", 1, None, 1),  # one process per GPU
+        ("cuda", 4, None, 4),
+        ("cpu", 4, None, 2),
+        ("auto", 4, 3, 3),
+        ("auto", 1, 2, "--nproc: expected at most 1 on CUDA (one process per GPU; this machine has 1)"),
+        ("cpu", 1, 2, 2),
+    ],
+)
+def test_nproc_defaults_to_one_process_per_gpu(monkeypatch, device, gpus, nproc, expected):
+    """On CUDA every process takes the GPU of its local rank: the default is one per GPU, and more
+    processes than GPUs is an error before anything launches (two ranks would meet on one GPU, or one
+    would ask for a GPU that is not there)."""
+    from tandem.cli import train as train_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = argparse.Namespace(device=device, nproc=nproc)
+    problem = train_cli._check_nproc(args)
+    if isinstance(expected, str):
+        assert problem is not None and problem.startswith(expected), problem
+    else:
+        assert problem is None and args.nproc == expected
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):

@@ -140,7 +140,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     launch = parser.add_argument_group("processes")
     launch.add_argument(
-        "--nproc", type=positive_int, default=2, help="data-parallel processes on this machine (default: 2)"
+        "--nproc",
+        type=positive_int,
+        default=None,
+        help="data-parallel processes on this machine (default: 2 on CPUs, one per GPU on CUDA)",
     )
     launch.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
     launch.add_argument("--nnodes", type=positive_int, default=1, help="torchrun: machines (default: 1)")
@@ -214,6 +217,33 @@ def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
+
+
+def _gpus(device: str) -> int | None:
+    """The GPU count where ``--device`` means CUDA (``cuda``, or ``auto`` with a GPU there), else None."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.device_count()
+
+
+def _check_nproc(args: argparse.Namespace) -> str | None:
+    """Give ``--nproc`` its default (2 on CPUs, one process per GPU on CUDA); why the processes cannot run
+    here, or None. On CUDA each process takes the GPU of its local rank (NCCL runs one rank per GPU)."""
+    gpus = _gpus(args.device)
+    if args.device == "cuda" and gpus is None:
+        import torch
+
+        return f"--device cuda: CUDA is not available (torch {torch.__version__})"
+    if args.nproc is None:
+        args.nproc = gpus or 2
+    if gpus is not None and args.nproc > gpus:
+        return (
+            f"--nproc: expected at most {gpus} on CUDA (one process per GPU; this machine has {gpus}), got "
+            f"{args.nproc}; or train on the CPU with --device cpu"
+        )
+    return None
 
 
 def _check_manifests(args: argparse.Namespace) -> str | None:
@@ -360,7 +390,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _work(args)
 
     # Everything a run could trip on is checked before anything is written or launched.
-    problem = _check_task_options(args)
+    problem = _check_nproc(args) or _check_task_options(args)
     if problem:
         return _fail(parser, problem)
     if not 0 <= args.node_rank < args.nnodes:
