@@ -133,6 +133,34 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "expected a checkpoint" in done.stderr
 
 
+def test_a_diverged_loss_ends_the_run_once_with_a_message(tmp_path):
+    """Finite features near float32's limit overflow the first gradients: the loss becomes NaN on every
+    rank at once. The run ends with status 1 and one message, not a traceback and three torchrun
+    restarts into the same loss."""
+    data = tmp_path / "huge.npz"
+    rng = np.random.default_rng(0)
+    features = (rng.standard_normal((64, 5, 3)) * 3e38).clip(-3.3e38, 3.3e38).astype(np.float32)
+    np.savez(data, features=features, lengths=np.full(64, 5), labels=rng.integers(0, 3, 64))
+    out = tmp_path / "out"
+    args = ("--data", str(data), "--nproc", "2", "--epochs", "2", "--hidden", "8", "--layers", "1")
+    done = _tandem(*args, "--out", str(out), "--master-port", _free_port(), timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "tandem train: error: the loss became nan in epoch 1" in done.stderr
+    assert done.stdout.count("tandem train: GRU") == 1, "torchrun restarted the ranks"
+    assert "Traceback" not in done.stderr and "training processes failed" not in done.stderr
+
+
+def test_resume_with_other_settings_is_a_clear_error(tmp_path):
+    out = tmp_path / "out"
+    first = _tandem("--nproc", "1", "--epochs", "1", *SMALL, "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = _tandem("--nproc", "2", "--epochs", "2", *SMALL, "--out", str(out), "--resume", timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    message = "--resume: the run's settings differ from the checkpoint's (world_size: checkpoint 1, now 2)"
+    assert done.stderr.count(message) == 1, done.stderr[-3000:]  # once: one launch, no restarts
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_finished_rank_leaves_without_interpreter_shutdown(world, monkeypatch):
     """A rank of a multi-process run ends with os._exit after destroying its group and flushing (see
@@ -145,10 +173,10 @@ def test_a_finished_rank_leaves_without_interpreter_shutdown(world, monkeypatch)
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: calls.append("destroy"))
     monkeypatch.setattr(distributed.os, "_exit", lambda code: calls.append(("exit", code)))
-    monkeypatch.setattr(_train_worker, "_train", lambda args, device, grp: 3)
+    monkeypatch.setattr(_train_worker, "_train", lambda args, device, grp, threads: 3)
     group = object.__new__(distributed.Group)  # a group without init_process_group
     group.world, group.rank, group.local_world = world, 0, world
     monkeypatch.setattr(_train_worker, "Group", lambda device, timeout: group)
-    args = type("Args", (), {"device": "cpu", "timeout": 5.0})()
+    args = type("Args", (), {"device": "cpu", "timeout": 5.0, "threads": 1})()
     assert _train_worker.train(args) == 3
     assert calls == (["destroy", ("exit", 3)] if world == 2 else [])

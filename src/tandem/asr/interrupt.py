@@ -6,14 +6,26 @@ import ctypes
 import os
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
-__all__ = ["EXIT_FILE_ENV", "StopRequests", "die_with_parent"]
+__all__ = ["EXIT_FILE_ENV", "StopRequests", "collective_exit", "die_with_parent"]
 
 # Where the ranks under tandem train's launcher leave an exit status that a restart would meet again (bad
 # data, a diverged loss, a checkpoint not written): they exit 0 so that torchrun ends instead of
 # restarting them, and the launcher returns the status it finds there.
 EXIT_FILE_ENV = "TANDEM_TRAIN_EXIT_FILE"
+
+
+def collective_exit(code: int) -> int:
+    """The exit status of a rank for ``code``, a status every rank reached together (each from a collective
+    verdict): under tandem train's launcher (``EXIT_FILE_ENV`` set) a non-zero one goes to that file and the
+    rank exits 0, so torchrun neither restarts the ranks into what ended them nor reports a failure; each
+    node's launcher learns it from its own ranks. Elsewhere ``code`` itself."""
+    if code != 0 and os.environ.get(EXIT_FILE_ENV):
+        Path(os.environ[EXIT_FILE_ENV]).write_text(f"{code}\n")
+        return 0
+    return code
 
 
 class StopRequests:

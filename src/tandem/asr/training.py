@@ -41,7 +41,7 @@ from tandem.asr.decode import greedy_decode
 from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
-from tandem.asr.interrupt import EXIT_FILE_ENV, StopRequests, die_with_parent
+from tandem.asr.interrupt import StopRequests, collective_exit, die_with_parent
 from tandem.asr.manifest import Entry, ManifestError, ManifestSet, read_manifest
 from tandem.asr.metrics import ErrorRates, error_rates
 from tandem.asr.model import TORCH_PARTS, DeepSpeech2, ModelConfig
@@ -557,13 +557,9 @@ def train(
         code = _train(config, Path(out), resume, group, checkpointing, stop, workers, worker_cores)
     finally:
         group.close()
-    if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
-        code = 0  # a clean stop: torchrun must neither restart the workers nor report a failure
-    elif code != 0 and os.environ.get(EXIT_FILE_ENV):
-        # every rank returns the same status (each comes from a collective verdict), so each node's
-        # launcher learns it from its own ranks
-        Path(os.environ[EXIT_FILE_ENV]).write_text(f"{code}\n")
-        code = 0
+    # a clean stop under torchrun is no failure to report or restart; other statuses are collective
+    stopped = code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ
+    code = 0 if stopped else collective_exit(code)
     group.leave(code)
     return code
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 
 import tandem
 from tandem.asr.checkpoint import atomic_write
-from tandem.asr.distributed import Group, pick_device
+from tandem.asr.distributed import Group, pick_device, pin_to_cores
+from tandem.asr.interrupt import collective_exit
 from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
 from tandem.models import SpeechClassifier
 
@@ -74,19 +76,32 @@ def _evaluate(model, data: SequenceData, group: Group, device: torch.device, bat
 
 
 def train(args: argparse.Namespace) -> int:
+    """Train this rank's part; returns the exit status: 0 done, 1 a loss that became NaN or inf, 2 a
+    checkpoint whose settings differ from --resume's (every rank reaches these together; under tandem
+    train's launcher they go to its exit-status file instead, see tandem.asr.interrupt.collective_exit)."""
     device = pick_device(args.device)
+    # one core per process when the processes share a machine, each on cores of its own (as the speech
+    # task's ranks), before the process group starts its threads
+    threads = args.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if device.type == "cpu":
+        pin_to_cores(threads)
     group = Group(device, args.timeout)
     try:
-        code = _train(args, device, group)
+        code = _train(args, device, group, threads)
     finally:
         group.close()
+    code = collective_exit(code)
     group.leave(code)
     return code
 
 
-def _train(args: argparse.Namespace, device: torch.device, group: Group) -> int:
-    # one core per process when the processes share a machine
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // group.local_world))
+def _error(lead: bool, message: str) -> None:
+    if lead:
+        print(f"tandem train: error: {message}", file=sys.stderr, flush=True)
+
+
+def _train(args: argparse.Namespace, device: torch.device, group: Group, threads: int) -> int:
+    torch.set_num_threads(threads)
     lead = group.rank == 0
     data_path = args.data or JAPANESE_VOWELS
     data = load_npz(data_path)
@@ -119,9 +134,8 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group) -> int:
         }
         if changed:
             detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
-            raise SystemExit(
-                f"tandem train: error: --resume: the run's settings differ from the checkpoint's ({detail})"
-            )
+            _error(lead, f"--resume: the run's settings differ from the checkpoint's ({detail})")
+            return 2
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         history, start_epoch = checkpoint["history"], checkpoint["epoch"]
@@ -182,10 +196,9 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group) -> int:
             "sequences_per_second": seen / epoch_seconds,
         }
         history.append(record)
-        if not math.isfinite(record["train_loss"]):
-            raise SystemExit(
-                f"tandem train: error: the loss became {record['train_loss']} in epoch {epoch + 1}"
-            )
+        if not math.isfinite(record["train_loss"]):  # the same sum on every rank: all stop here
+            _error(lead, f"the loss became {record['train_loss']} in epoch {epoch + 1}")
+            return 1
         if lead:
             print(
                 f"epoch {epoch + 1}/{args.epochs}: loss {record['train_loss']:.4f}, train acc "
