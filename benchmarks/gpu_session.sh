@@ -7,7 +7,8 @@
 # order; a device call runs at most 10 minutes, so each part is cut at CAP seconds (default 240) and the next
 # one runs. "train" is tandem train's speech recognizer on the GPU (one process, EPOCHS epochs, default 4);
 # "profile" is benchmarks/gpu_profile.py (a GRU and an LSTM training step, kernel by kernel); "bench-train"
-# is `tandem bench --op train` (the whole job, tandem's parts against torch's).
+# is `tandem bench --op train` (the whole job, tandem's parts against torch's). Not in the defaults:
+# "sweep" (benchmarks/gpu_sweep_bwd.py --cell lstm: the LSTM's backward blocks, about a minute).
 # Bench options (--quick, --min-time S) go to every benchmark.
 # Writes the logs, one CSV of every benchmark, the GRU/LSTM charts and the run's metrics.json under $OUT
 # (the device tool brings back at most 8 files from that folder), else /tmp/tandem-gpu.
@@ -44,6 +45,9 @@ for part in $parts; do
     profile)
         timeout "$cap" python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$out/session.txt"
         ;;
+    sweep)
+        timeout "$cap" python3 benchmarks/gpu_sweep_bwd.py --cell lstm 2>&1 | tee -a "$out/session.txt"
+        ;;
     gru | lstm | adagrad | transcribe | bench-train)
         part=${part#bench-}
         plot=()
@@ -55,7 +59,7 @@ for part in $parts; do
         rm -f "$out/bench-part.txt"
         ;;
     *)
-        echo "unknown part $part (tests, train, profile, bench-train, gru, lstm, adagrad, transcribe)" >&2
+        echo "unknown part $part (tests, train, profile, sweep, bench-train, gru, lstm, adagrad, transcribe)" >&2
         ;;
     esac
 done

@@ -397,10 +397,12 @@ def _compile_sm90(kernel: str, dtype: torch.dtype, tf32: bool = False):
     compute = "fp64" if dtype == torch.float64 else "fp32"
     carries = {"p_dhin", "p_dhout", "p_dcin", "p_dcout"}  # the backward's carries are in the compute dtype
     constexprs = dict(COMPUTE=tl.float64 if dtype == torch.float64 else tl.float32, UPCAST=False, TF32=tf32)
-    constexprs |= dict(BLOCK_B=32, BLOCK_H=32)
-    constexprs |= dict(BLOCK_R=32) | (dict(HAS_DH=True, HAS_DHIN=True) if kernel == "bwd" else {})
+    # the launch of the T100-B32-H512 shape
+    options = lstm_triton._step_meta(kernel, dtype, 32, 512, 512)
+    constexprs |= {key: options.pop(key) for key in list(options) if key.startswith("BLOCK_")}
+    constexprs |= dict(HAS_DH=True, HAS_DHIN=True) if kernel == "bwd" else {}
     signature = sm90_signature(fn, constexprs, name, dict.fromkeys(carries, compute))
-    return compile_sm90(fn, signature, constexprs, **lstm_triton.LAUNCH_OPTIONS)
+    return compile_sm90(fn, signature, constexprs, **options)
 
 
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")

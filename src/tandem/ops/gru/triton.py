@@ -386,7 +386,7 @@ def _common_meta(x: Tensor, hid: int) -> dict:
 def _step_meta(kind: str, dtype: torch.dtype, batch: int, hid: int) -> dict:
     """Block sizes and launch options of the per-step ``kind`` ("fwd"/"bwd") kernel, spill-free in the
     sm_90 build (checked by the tests). The backward's were swept on an H200 (2026-11-26,
-    benchmarks/gpu_sweep_gru_bwd.py, a T100-B32-I512-H512 training step with CUDA graphs): each program
+    benchmarks/gpu_sweep_bwd.py, a T100-B32-I512-H512 training step with CUDA graphs): each program
     recomputes the gate gradients of all H columns for its BLOCK_K columns of dh_prev, so narrow K blocks
     (16) and 4 warps run the most programs; BLOCK_J 16 for float32 (TF32) and 32 for half precision. The
     step took 6.0 ms instead of 17.5 (float32) and 4.3 instead of 7.5 (bfloat16) with the former blocks

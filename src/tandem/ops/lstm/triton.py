@@ -452,6 +452,14 @@ def _blocks(batch: int, hid: int, out_size: int) -> tuple[int, int, int]:
     return block_b, block_h, block_r
 
 
+def _step_meta(kind: str, dtype: torch.dtype, batch: int, hid: int, out_size: int) -> dict:
+    """Block sizes and launch options of the per-step ``kind`` ("fwd"/"bwd") kernel: both the same today
+    (:func:`_blocks`, LAUNCH_OPTIONS), untuned on a GPU; one function, so that a sweep can set the
+    backward's alone (benchmarks/gpu_sweep_bwd.py)."""
+    block_b, block_h, block_r = _blocks(batch, hid, out_size)
+    return dict(BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS)
+
+
 def _persistent_meta(kind: str, x: Tensor, hid: int, has_proj: bool) -> dict | None:
     """Block sizes and launch options of the persistent ``kind`` ("fwd"/"bwd") kernel for ``x`` and
     hidden size ``hid``, or None where the per-step kernels run: always with a projection, else as
@@ -504,10 +512,11 @@ def lstm_fwd_triton(
         )  # fmt: skip
         return fwd_epilogue(fwd, batch, need_saved, False)
 
-    block_b, block_h, block_r = _blocks(batch, hid, out_size)
     has_proj = w_hr is not None
-    meta = dict(COMPUTE=compute, UPCAST=upcast(x), TF32=tf32(x), BLOCK_B=block_b, BLOCK_H=block_h)
-    meta |= dict(BLOCK_R=block_r, **LAUNCH_OPTIONS)
+    meta = dict(COMPUTE=compute, UPCAST=upcast(x), TF32=tf32(x)) | _step_meta(
+        "fwd", x.dtype, batch, hid, out_size
+    )
+    block_b, block_h = meta["BLOCK_B"], meta["BLOCK_H"]
 
     def loop(b: dict[str, Tensor]) -> None:
         # without a projection the kernel writes the states itself (``hr`` is ``states``)
@@ -607,10 +616,10 @@ def lstm_bwd_triton(
         )  # fmt: skip
         dh0, dc0 = dh0.to(x.dtype), dc0.to(x.dtype)
     else:
-        block_b, block_h, block_r = _blocks(batch, hid, out_size)
         has_proj, has_dh = w_hr is not None, grad_h is not None
         meta = dict(HAS_DH=has_dh, HAS_DHIN=not has_proj, COMPUTE=tl_compute, UPCAST=upcast(x), TF32=tf32(x))
-        meta |= dict(BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS)
+        meta |= _step_meta("bwd", x.dtype, batch, hid, out_size)
+        block_b, block_r = meta["BLOCK_B"], meta["BLOCK_R"]
 
         def loop(b: dict[str, Tensor]) -> None:
             # the carries ping-pong: step s reads pair i_in and writes the other

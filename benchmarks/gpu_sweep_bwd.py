@@ -1,0 +1,112 @@
+"""Block sizes of the per-step backward kernel of tandem's GRU (`_gru_bwd_step`: BLOCK_J x BLOCK_K) or LSTM
+(`_lstm_bwd_kernel`: BLOCK_H x BLOCK_R), swept on a GPU: a training step of tandem.nn.GRU / LSTM (CUDA
+graphs on, so the host's launches drop out) with each block pair and num_warps, its gradients checked
+against the default blocks' (the same kernel math, so equal up to summation order).
+
+    PYTHONPATH=src python3 benchmarks/gpu_sweep_bwd.py [--cell gru lstm] [--shape T100-B32-I512-H512]
+        [--dtype float32 bfloat16]
+
+Prints one line per variant as it finishes (milliseconds per step, median of 20), the default first. The
+GRU's blocks of f296a74 came from this sweep (then named gpu_sweep_gru_bwd.py). A dry run on the CPU (the
+kernels under Triton's interpreter, in float64 so that the LSTM takes them (float32 runs oneDNN's there);
+wall-clock times that mean nothing):
+
+    TRITON_INTERPRET=1 TANDEM_FORCE_TRITON=1 PYTHONPATH=src python3 benchmarks/gpu_sweep_bwd.py \\
+        --device cpu --shape T3-B4-I8-H16 --dtype float64 --blocks 16 --warps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+
+from gpu_profile import _parse_shape
+
+
+def _step_time(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        out, _ = model(x)
+        out.float().square().sum().backward()
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(20):
+        if x.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append(1000 * (time.perf_counter() - began))
+    return statistics.median(times), [x.grad.float()] + [p.grad.float() for p in model.parameters()]
+
+
+def _sweep(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, blocks, warps) -> None:
+    import tandem
+    from tandem.ops.gru import triton as gru_triton
+    from tandem.ops.lstm import triton as lstm_triton
+
+    module = gru_triton if cell == "gru" else lstm_triton
+    # the LSTM's blocks: BLOCK_H walks the gates' columns, BLOCK_R is a program's columns of dh_prev
+    inner, outer = ("BLOCK_J", "BLOCK_K") if cell == "gru" else ("BLOCK_H", "BLOCK_R")
+    module.CUDA_GRAPHS = device == "cuda"
+    module.TIME_LOOP = "per-step"
+    default_meta = module._step_meta
+    torch.manual_seed(0)
+    layer = {"gru": tandem.nn.GRU, "lstm": tandem.nn.LSTM}[cell]
+    model = layer(shape["I"], shape["H"], device=device, dtype=dtype)
+    x = torch.randn(shape["T"], shape["B"], shape["I"], device=device, dtype=dtype, requires_grad=True)
+    base_ms, base = _step_time(model, x)
+    default = default_meta("bwd", dtype, shape["B"], shape["H"], *([shape["H"]] if cell == "lstm" else []))
+    name = str(dtype).removeprefix("torch.")
+    print(f"{cell} {name} default {default}: {base_ms:.3f} ms", flush=True)
+    try:
+        for block_in, block_out, num_warps in itertools.product(blocks, blocks + [128], warps):
+
+            def meta(kind, *args, _i=block_in, _o=block_out, _w=num_warps):
+                out = default_meta(kind, *args)
+                if kind == "bwd":
+                    out |= {inner: _i, outer: _o, "num_warps": _w}
+                return out
+
+            module._step_meta = meta
+            module.STEP_GRAPHS = module.StepGraphs()  # no graph recorded with other blocks is replayed
+            label = f"{cell} {name} {inner[6:]}{block_in} {outer[6:]}{block_out} w{num_warps}"
+            try:
+                ms, grads = _step_time(model, x)
+            except Exception as e:  # a build that fails (resources) is a result too
+                print(f"{label}: failed: {type(e).__name__}: {e}"[:200], flush=True)
+                continue
+            err = max(((g - b).norm() / b.norm()).item() for g, b in zip(grads, base))
+            print(f"{label}: {ms:.3f} ms ({base_ms / ms:.2f}x), rel. diff {err:.1e}", flush=True)
+    finally:
+        module._step_meta = default_meta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cell", nargs="+", default=["gru", "lstm"], choices=["gru", "lstm"])
+    parser.add_argument("--shape", type=_parse_shape, default=_parse_shape("T100-B32-I512-H512"))
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    args = parser.parse_args()
+    for cell in args.cell:
+        for name in args.dtype:
+            _sweep(cell, args.shape, getattr(torch, name), args.device, args.blocks, args.warps)
+
+
+if __name__ == "__main__":
+    main()
