@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -44,22 +45,35 @@ def _set_loop(cell: str, loop: str) -> None:
     module.TIME_LOOP = "per-step" if loop == "per-step" else "auto"
 
 
+def step_times(step, device: str, runs: int = 20) -> list[float]:
+    """Milliseconds of ``runs`` calls of ``step`` after 3 warm-up calls: CUDA events on a GPU, the wall
+    clock on the CPU (where only a dry run under Triton's interpreter happens)."""
+    for _ in range(3):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append(1000 * (time.perf_counter() - began))
+    return times
+
+
 def _profile(name: str, model: torch.nn.Module, x: torch.Tensor, rows: int) -> None:
     def step() -> None:
         out, _ = model(x)
         out.float().square().sum().backward()
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = step_times(step, "cuda")
     print(f"\n== {name}: {statistics.median(times):.3f} ms per step (median of 20; min {min(times):.3f})")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import time
 
 import torch
 
-from gpu_profile import _parse_shape
+from gpu_profile import _parse_shape, step_times
 
 
 def _step_time(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
@@ -34,21 +33,7 @@ def _step_time(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, list[tor
         out, _ = model(x)
         out.float().square().sum().backward()
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(20):
-        if x.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            step()
-            times.append(1000 * (time.perf_counter() - began))
+    times = step_times(step, x.device.type)
     return statistics.median(times), [x.grad.float()] + [p.grad.float() for p in model.parameters()]
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "TRITON_VERSION",
     "LaunchCounter",
     "compile_sm90",
+    "assert_builds_once",
     "compiled_variants",
     "sm90_signature",
     "local_memory_bytes",
@@ -127,6 +128,27 @@ def compiled_variants(kernel) -> int:
     if caches is None:
         pytest.skip("this Triton keeps its compiled kernels elsewhere (no JITFunction.device_caches)")
     return sum(len(entry[0]) for entry in caches.values())
+
+
+def assert_builds_once(layer: torch.nn.Module, kernels: list, dtype: torch.dtype) -> None:
+    """Training steps of ``layer`` on packed batches of other lengths (so other rows at every step, another
+    batch and packed total) build none of ``kernels`` again after the first batch: Triton specialises
+    integer arguments on being 1 or a multiple of 16 unless told not to, and each build took seconds on the
+    GPU, stalling tandem train's first epochs. Skips under the interpreter, which builds nothing."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    compiled_variants(kernels[0])
+
+    def step(lengths: list[int]) -> None:
+        x = torch.randn(max(lengths), len(lengths), layer.input_size, device=TRITON_DEVICE, dtype=dtype)
+        out, _ = layer(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        out.data.float().square().sum().backward()
+
+    step([17, 16, 5, 1])  # builds each kernel once
+    built = [compiled_variants(k) for k in kernels]
+    for lengths in ([33, 32, 31, 30, 3], [16] * 16, [1], [48, 47, 2, 2, 1, 1, 1]):
+        step(lengths)
+    assert [compiled_variants(k) for k in kernels] == built
 
 
 class LaunchCounter:

@@ -23,8 +23,8 @@ from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref
 from triton_support import (
     TRITON_DEVICE,
     LaunchCounter,
+    assert_builds_once,
     compile_sm90,
-    compiled_variants,
     local_memory_bytes,
     needs_triton,
     run_under_interpreter,
@@ -144,28 +144,15 @@ def test_triton_kernel_is_what_runs():
 @needs_triton
 @pytest.mark.parametrize("time_loop", ["per-step", "persistent"])
 def test_triton_kernel_builds_once_for_any_lengths(time_loop: str, monkeypatch):
-    """Speech batches differ in their lengths and so in every step's rows: the kernels must not be built
-    again for each new pattern of them (Triton specialises integer arguments on being 1 or a multiple of
-    16 unless told not to; each build took seconds on the GPU, stalling tandem train's first epochs)."""
+    """Speech batches differ in their lengths and so in every step's rows: no build per new pattern."""
     from tandem.ops.gru import triton as gru_triton
 
     monkeypatch.setattr(gru_triton, "TIME_LOOP", time_loop)
     kernels = [gru_triton._gru_fwd_step, gru_triton._gru_bwd_step]
     if time_loop == "persistent":
         kernels = [gru_triton._gru_fwd_persistent, gru_triton._gru_bwd_persistent]
-    compiled_variants(kernels[0])  # skips under the interpreter, which builds nothing
     gru = tandem.nn.GRU(8, 16, bidirectional=True, device=TRITON_DEVICE, dtype=torch.bfloat16)
-
-    def step(lengths: list[int]) -> None:
-        x = torch.randn(max(lengths), len(lengths), 8, device=TRITON_DEVICE, dtype=torch.bfloat16)
-        out, _ = gru(pack_padded_sequence(x, lengths, enforce_sorted=False))
-        out.data.float().square().sum().backward()
-
-    step([17, 16, 5, 1])  # builds each kernel once
-    built = [compiled_variants(k) for k in kernels]
-    for lengths in ([33, 32, 31, 30, 3], [16] * 16, [1], [48, 47, 2, 2, 1, 1, 1]):
-        step(lengths)
-    assert [compiled_variants(k) for k in kernels] == built
+    assert_builds_once(gru, kernels, torch.bfloat16)
 
 
 @needs_triton

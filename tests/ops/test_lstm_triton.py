@@ -24,8 +24,8 @@ from triton_support import (
     TRITON_DEVICE,
     TRITON_VERSION,
     LaunchCounter,
+    assert_builds_once,
     compile_sm90,
-    compiled_variants,
     local_memory_bytes,
     needs_triton,
     run_under_interpreter,
@@ -188,27 +188,15 @@ def test_triton_kernel_matches_torch_float64(case: Case, tiles, launches, kernel
 @needs_triton
 @pytest.mark.parametrize("time_loop", ["per-step", "persistent"])
 def test_triton_kernel_builds_once_for_any_lengths(time_loop: str, monkeypatch):
-    """Batches of other lengths (so other rows at every step, another packed total) reuse the kernels
-    built for the first: no build per new pattern (see the GRU's test of the same name)."""
+    """Batches of other lengths reuse the kernels built for the first (see the GRU's test of the name)."""
     from tandem.ops.lstm import triton as lstm_triton
 
     monkeypatch.setattr(lstm_triton, "TIME_LOOP", time_loop)
     kernels = [lstm_triton._lstm_fwd_kernel, lstm_triton._lstm_bwd_kernel]
     if time_loop == "persistent":
         kernels = [lstm_triton._lstm_fwd_persistent, lstm_triton._lstm_bwd_persistent]
-    compiled_variants(kernels[0])  # skips under the interpreter, which builds nothing
     lstm = tandem.nn.LSTM(8, 16, bidirectional=True, device=TRITON_DEVICE, dtype=torch.float16)
-
-    def step(lengths: list[int]) -> None:
-        x = torch.randn(max(lengths), len(lengths), 8, device=TRITON_DEVICE, dtype=torch.float16)
-        out, _ = lstm(pack_padded_sequence(x, lengths, enforce_sorted=False))
-        out.data.float().square().sum().backward()
-
-    step([17, 16, 5, 1])  # builds each kernel once
-    built = [compiled_variants(k) for k in kernels]
-    for lengths in ([33, 32, 31, 30, 3], [16] * 16, [1], [48, 47, 2, 2, 1, 1, 1]):
-        step(lengths)
-    assert [compiled_variants(k) for k in kernels] == built
+    assert_builds_once(lstm, kernels, torch.float16)
 
 
 FLOAT32_CASES = [CASES[2], CASES[4], CASES[6]]
