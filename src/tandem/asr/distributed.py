@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tandem.ops.syncbn import sum_over_ranks
 
-__all__ = ["Group", "WorkerCores", "pick_device", "pin_to_cores"]
+__all__ = ["Group", "WorkerCores", "pick_device", "pin_to_cores", "rank_threads"]
 
 
 def pick_device(choice: str) -> torch.device:
@@ -21,6 +21,12 @@ def pick_device(choice: str) -> torch.device:
             raise SystemExit("tandem train: error: --device cuda: CUDA is not available")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def rank_threads(threads: int | None) -> int:
+    """``threads``, or by default this process's share of the machine's cores: the cores over the processes
+    torchrun started on this node (``LOCAL_WORLD_SIZE``), at least one."""
+    return threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def pin_to_cores(threads: int) -> list[int] | None:

@@ -38,7 +38,7 @@ from tandem.asr.checkpoint import (
 )
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
-from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores
+from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores, rank_threads
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
 from tandem.asr.interrupt import StopRequests, collective_exit, die_with_parent
@@ -543,7 +543,7 @@ def train(
         die_with_parent()
     stop = StopRequests().install()
     where = pick_device(device)
-    threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = rank_threads(threads)
     worker_cores = None
     if where.type == "cpu":
         before = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 import tandem
 from tandem.asr.checkpoint import atomic_write
-from tandem.asr.distributed import Group, pick_device, pin_to_cores
+from tandem.asr.distributed import Group, pick_device, pin_to_cores, rank_threads
 from tandem.asr.interrupt import collective_exit
 from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
 from tandem.models import SpeechClassifier
@@ -82,7 +81,7 @@ def train(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     # one core per process when the processes share a machine, each on cores of its own (as the speech
     # task's ranks), before the process group starts its threads
-    threads = args.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = rank_threads(args.threads)
     if device.type == "cpu":
         pin_to_cores(threads)
     group = Group(device, args.timeout)
