@@ -14,12 +14,14 @@ import pytest
 import torch
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+# On the CPU with Gloo, as in CI, on a machine with a GPU too (`--device auto` would pick CUDA there)
+ON_CPU = ("--device", "cpu")
 
 
 def _tandem(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
     return subprocess.run(
-        [sys.executable, "-m", "tandem", "train", "--task", "classify", *args],
+        [sys.executable, "-m", "tandem", "train", "--task", "classify", *ON_CPU, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -75,8 +77,8 @@ def test_without_matplotlib_the_closing_line_names_only_what_was_written(tmp_pat
     out = tmp_path / "run"
     env_path = os.pathsep.join(filter(None, [str(blocker.parent), str(SRC), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-m", "tandem", "train", "--task", "classify", "--nproc", "1", "--epochs", "1",
-         "--out", str(out), *SMALL],
+        [sys.executable, "-m", "tandem", "train", "--task", "classify", *ON_CPU, "--nproc", "1",
+         "--epochs", "1", "--out", str(out), *SMALL],
         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=env_path),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

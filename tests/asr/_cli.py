@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+# The tests train on the CPU with Gloo, as CI does, on a machine with a GPU too (where `--device auto`
+# would pick CUDA, one process per GPU). A test's own --device, later on the command line, wins.
+ON_CPU = ("--device", "cpu")
 
 
 def free_port() -> str:
@@ -29,7 +32,7 @@ def env(pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
 def tandem(*args: str, timeout: float = 300, pythonpath: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``tandem train ARGS`` to its end."""
     return subprocess.run(
-        [sys.executable, "-m", "tandem", "train", *args],
+        [sys.executable, "-m", "tandem", "train", *ON_CPU, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -41,7 +44,7 @@ def start(*args: str, log: Path) -> subprocess.Popen:
     """``tandem train ARGS`` in the background (its own session), output to ``log``."""
     with open(log, "w") as f:
         return subprocess.Popen(
-            [sys.executable, "-m", "tandem", "train", *args],
+            [sys.executable, "-m", "tandem", "train", *ON_CPU, *args],
             stdout=f, stderr=subprocess.STDOUT, env=env(), start_new_session=True,
         )  # fmt: skip
 

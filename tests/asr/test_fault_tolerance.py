@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli import env, finish, free_port, processes_mentioning, start, tandem, wait_for
+from _cli import ON_CPU, env, finish, free_port, processes_mentioning, start, tandem, wait_for
 
 from tandem.asr.checkpoint import CheckpointStore, CheckpointWriteError, load_checkpoint
 
@@ -179,7 +179,7 @@ def test_a_full_disk_stops_the_run_with_a_clear_error_and_no_restarts(tmp_path):
 
     command = ["--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port()]
     done = subprocess.run(
-        [sys.executable, "-m", "tandem", "train", *command],
+        [sys.executable, "-m", "tandem", "train", *ON_CPU, *command],
         capture_output=True, text=True, timeout=300, env=env(), preexec_fn=small_files,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr[-3000:]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem import _backend
 
@@ -29,6 +30,7 @@ def test_the_profile_script_parses_its_arguments():
 
 
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the sweep runs compiled on it")
 @pytest.mark.timeout(300)
 def test_the_backward_sweep_runs_under_the_interpreter():
     """Both cells' sweeps, on a tiny float64 layer under Triton's interpreter: every variant builds, runs
