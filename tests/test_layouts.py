@@ -180,7 +180,9 @@ def _rnn_run(
     every output goes through ``grad_layout``. Returns the outputs and every gradient."""
     x = args["input"]
     if case.packed:
-        x = PackedSequence(x, _PACKING.batch_sizes, _PACKING.sorted_indices, _PACKING.unsorted_indices)
+        # the indices on the data's device, as PackedSequence.to() puts them (batch_sizes stay on the CPU)
+        indices = (_PACKING.sorted_indices.to(x.device), _PACKING.unsorted_indices.to(x.device))
+        x = PackedSequence(x, _PACKING.batch_sizes, *indices)
     hx = (args["h0"], args["c0"]) if case.cell == "LSTM" else args["h0"]
     out, h = torch.func.functional_call(module, params, (x, hx))
     outputs = {"output": out.data if case.packed else out}
@@ -214,8 +216,11 @@ def _on(t: torch.Tensor, device: str) -> torch.Tensor:
     """``t`` with the same strides on ``device``, a leaf there (``t`` itself if it is there)."""
     if t.device.type == device:
         return t
-    moved = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t.detach())
-    return moved.requires_grad_(t.requires_grad)
+    # the whole storage moves, then the same view of it: an expanded layout's elements share memory,
+    # which a copy into it refuses
+    storage = t.detach().as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    moved = storage.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
+    return moved.detach().requires_grad_(t.requires_grad)
 
 
 def check_rnn_layout(case: RNNCase, arg: str, layout: str, dtype: torch.dtype, device: str) -> None:
