@@ -4,6 +4,7 @@ real frames only (a mask, lengths, or a PackedSequence)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -14,6 +15,9 @@ from torch.nn.utils.rnn import PackedSequence
 from tandem.ops.syncbn import sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
+
+# Whether torch's batch norms take ``bias`` (2.13 does, 2.11 does not): SyncBatchNorm takes it where they do.
+TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -45,7 +49,7 @@ class SyncBatchNorm(_BatchNorm):
     Args:
         num_features: ``C``.
         eps, momentum, affine, track_running_stats, device, dtype, bias: as for ``torch.nn.BatchNorm1d``
-            (``momentum=None``: cumulative average).
+            (``momentum=None``: cumulative average; ``bias`` where the installed torch's batch norms take it).
         process_group: the group whose ranks share statistics; None is the default (world) group.
 
     Shapes:
@@ -65,25 +69,50 @@ class SyncBatchNorm(_BatchNorm):
         >>> y = bn(h.reshape(-1, 64), mask=m.reshape(-1)).view(50, 8, 64)
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        process_group: Any | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        bias: bool = True,
-    ) -> None:
-        # ``bias`` is passed on only when off: older torch versions (2.4) do not know the argument.
-        extra = {} if bias else {"bias": False}
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra
-        )
-        self.process_group = process_group
+    if TAKES_BIAS:
+
+        def __init__(
+            self,
+            num_features: int,
+            eps: float = 1e-5,
+            momentum: float | None = 0.1,
+            affine: bool = True,
+            track_running_stats: bool = True,
+            process_group: Any | None = None,
+            device: torch.device | str | None = None,
+            dtype: torch.dtype | None = None,
+            *,
+            bias: bool = True,
+        ) -> None:
+            super().__init__(
+                num_features,
+                eps,
+                momentum,
+                affine,
+                track_running_stats,
+                device=device,
+                dtype=dtype,
+                bias=bias,
+            )
+            self.process_group = process_group
+
+    else:  # a torch without the argument (2.11): its SyncBatchNorm's signature, and so its TypeError
+
+        def __init__(
+            self,
+            num_features: int,
+            eps: float = 1e-5,
+            momentum: float | None = 0.1,
+            affine: bool = True,
+            track_running_stats: bool = True,
+            process_group: Any | None = None,
+            device: torch.device | str | None = None,
+            dtype: torch.dtype | None = None,
+        ) -> None:
+            super().__init__(
+                num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
+            )
+            self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -189,7 +218,7 @@ class SyncBatchNorm(_BatchNorm):
         """
         output = module
         if isinstance(module, _BatchNorm):
-            extra = {} if not module.affine or module.bias is not None else {"bias": False}
+            extra = {} if not module.affine or module.bias is not None else {"bias": False}  # TAKES_BIAS
             output = cls(
                 module.num_features,
                 module.eps,
