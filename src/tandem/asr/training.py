@@ -46,6 +46,7 @@ from tandem.asr.manifest import Entry, ManifestError, ManifestSet, read_manifest
 from tandem.asr.metrics import ErrorRates, error_rates
 from tandem.asr.model import TORCH_PARTS, DeepSpeech2, ModelConfig
 from tandem.asr.text import ENGLISH, Alphabet
+from tandem.optim.adagrad import torch_fused_takes
 
 __all__ = [
     "TrainConfig",
@@ -228,7 +229,8 @@ class Run:
     ``stack`` picks the parts: ``"tandem"`` (tandem.nn.GRU/LSTM, SyncBatchNorm, tandem.optim.Adagrad,
     tandem.parallel.DistributedDataParallel) or ``"torch"``, the same model from torch's parts for the
     side-by-side benchmark (torch.nn.GRU/LSTM, BatchNorm1d, whose statistics stay per process, as
-    torch.nn.SyncBatchNorm refuses CPU tensors; torch.optim.Adagrad, fused on the CPU; torch's DDP).
+    torch.nn.SyncBatchNorm refuses CPU tensors; torch.optim.Adagrad, fused where torch has the kernel;
+    torch's DDP).
     """
 
     def __init__(self, config: TrainConfig, group: Group, data: DataSets, stack: str = "tandem") -> None:
@@ -253,7 +255,7 @@ class Run:
         else:
             self.model = DeepSpeech2(config.model, TORCH_PARTS).to(self.device)
             ddp = torch.nn.parallel.DistributedDataParallel
-            fused = {"fused": True} if self.device.type == "cpu" else {"foreach": True}
+            fused = {"fused": True} if torch_fused_takes(self.device) else {"foreach": True}
             self.optimizer = torch.optim.Adagrad(self.model.parameters(), lr=config.lr, **fused)
         self.wrapped = ddp(self.model) if group.world > 1 else self.model
         self.ctc = torch.nn.CTCLoss(blank=0, reduction="none", zero_infinity=True)

@@ -1,7 +1,7 @@
 """Benchmark of ``tandem.optim.Adagrad``: one ``optimizer.step()`` against torch.optim.Adagrad's three paths.
 
-Providers: ``torch`` (the baseline: torch's fastest path, its fused kernel, ``fused=True``, on the CPU, and
-``foreach=True``, its default, on GPUs, where torch.optim.Adagrad has no fused kernel), ``torch-foreach``,
+Providers: ``torch`` (the baseline: torch's fastest path, its fused kernel, ``fused=True``, on the CPU and on
+GPUs where torch.optim.Adagrad has one (2.13), else ``foreach=True``, its default (2.11)), ``torch-foreach``,
 ``torch-forloop`` (``foreach=False``, torch's default on CPU), ``tandem`` and ``tandem-tol`` (tandem with
 ``tol`` set, i.e. with the largest-change reduction). Each factory builds float32 parameters, constant
 gradients and the optimizer outside the timed region; the thunk is one ``step()``.
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tandem.bench.registry import OpBench, Shape, register
+from tandem.optim.adagrad import torch_fused_takes
 
 __all__ = ["ADAGRAD_BENCH", "make_params"]
 
@@ -43,9 +44,9 @@ def _provider(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def _torch_fastest(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    # torch.optim.Adagrad(fused=True) refuses CUDA tensors ("`fused=True` requires ... supported devices:
-    # ['mps', 'xpu', 'hpu', 'cpu', ...]", torch 2.11 on an H200)
-    fused = ps[0].device.type == "cpu"
+    # torch 2.11's Adagrad(fused=True) refuses CUDA tensors ("`fused=True` requires ... supported devices:
+    # ['mps', 'xpu', 'hpu', 'cpu', ...]", on an H200); 2.13's takes them
+    fused = torch_fused_takes(ps[0].device)
     return torch.optim.Adagrad(ps, **({"fused": True} if fused else {"foreach": True}))
 
 

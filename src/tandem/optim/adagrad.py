@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,29 @@ try:  # torch's check of fused=True, with its message (a private helper: absent,
     from torch.optim.optimizer import _device_dtype_check_for_fused
 except ImportError:  # pragma: no cover - other torch versions
 
-    def _device_dtype_check_for_fused(p: Tensor) -> None:
+    def _device_dtype_check_for_fused(p: Tensor, cuda_unsupported: bool = False) -> None:
         pass
+
+
+@functools.cache
+def _fused_check_options() -> dict[str, bool]:
+    """How torch's Adagrad calls that check: with ``cuda_unsupported=True`` where its fused update has no
+    CUDA kernel (torch 2.11), without where it has one (2.13). Read off torch's refusal of a meta tensor,
+    whose message lists the devices it takes."""
+    p = torch.nn.Parameter(torch.empty(1, device="meta"))
+    p.grad = torch.empty(1, device="meta")
+    try:
+        torch.optim.Adagrad([p], fused=True).step()
+    except RuntimeError as e:
+        if "supported devices" in str(e) and "'cuda'" not in str(e):
+            return {"cuda_unsupported": True}
+    return {}
+
+
+def torch_fused_takes(device: torch.device) -> bool:
+    """Whether ``torch.optim.Adagrad(fused=True)`` updates parameters on ``device`` (the CPU, and CUDA
+    where the installed torch has the kernel): the side-by-side benchmarks' baseline."""
+    return device.type == "cpu" or (device.type == "cuda" and not _fused_check_options())
 
 
 __all__ = ["Adagrad"]
@@ -57,7 +79,8 @@ class Adagrad(Optimizer):
         weight_decay: L2 penalty (default: 0).
         initial_accumulator_value: initial value of the sum of squared gradients (default: 0).
         eps: term added to the denominator (default: 1e-10).
-        foreach, fused: accepted as in torch (``fused`` with ``differentiable`` or ``foreach`` raises).
+        foreach, fused: accepted as in torch (``fused`` with ``differentiable`` or ``foreach`` raises, and
+            ``fused=True`` refuses the devices and dtypes torch's does: CUDA tensors too under torch 2.11).
         maximize: maximize the objective instead of minimizing it (default: False).
         differentiable: keep the step on the autograd tape (per-tensor PyTorch path) (default: False).
         tol: when set, every step also computes ``max |p_new - p_old|`` over all parameters, on their
@@ -225,10 +248,11 @@ class Adagrad(Optimizer):
                 if p.grad is None:
                     continue
                 if group["fused"] and getattr(self, "_need_device_dtype_check_for_fused", True):
-                    _device_dtype_check_for_fused(p)  # torch's error for a device or dtype fused refuses
+                    # torch's error for a device or dtype its fused update refuses
+                    _device_dtype_check_for_fused(p, **_fused_check_options())
                     self._need_device_dtype_check_for_fused = False
                 if group["fused"] and not self.state[p]:
-                    _device_dtype_check_for_fused(p)  # as torch, for state made at the first step
+                    _device_dtype_check_for_fused(p, **_fused_check_options())  # as torch, at the first step
                 state = self._init_state(p)
                 params.append(p)
                 grads.append(p.grad)
