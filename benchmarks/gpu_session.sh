@@ -8,7 +8,9 @@
 # one runs. "train" is tandem train's speech recognizer on the GPU (one process, EPOCHS epochs, default 4);
 # "profile" is benchmarks/gpu_profile.py (a GRU and an LSTM training step, kernel by kernel); "bench-train"
 # is `tandem bench --op train` (the whole job, tandem's parts against torch's). Not in the defaults:
-# "sweep" (benchmarks/gpu_sweep_bwd.py --cell lstm: the LSTM's backward blocks, about a minute).
+# "sweep" (benchmarks/gpu_sweep_bwd.py --cell lstm: the LSTM's backward blocks, about a minute);
+# "suite" (the whole test suite under the image's torch, 2.11, which CI never runs: 6 minutes with 14
+# pytest processes; it needs the wheels of benchmarks/gpu_wheels.sh, carried as .whl, and CAP=400).
 # Bench options (--quick, --min-time S) go to every benchmark.
 # Writes the logs, one CSV of every benchmark, the GRU/LSTM charts and the run's metrics.json under $OUT
 # (the device tool brings back at most 8 files from that folder), else /tmp/tandem-gpu.
@@ -45,6 +47,15 @@ for part in $parts; do
     profile)
         timeout "$cap" python3 benchmarks/gpu_profile.py 2>&1 | tee -a "$out/session.txt"
         ;;
+    suite)
+        # the suite's packages the image lacks, from the carried wheels, on the path of pytest and its children
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/tandem-site .whl/*.whl >/dev/null 2>&1 || echo "no wheels in .whl: run gpu_wheels.sh here"
+        PYTHONPATH=/tmp/tandem-site:src timeout "$cap" python3 -m pytest -q -p no:cacheprovider -n 14 \
+            --timeout 300 tests >"$out/suite.log" 2>&1
+        echo "suite exit $?: $(tail -n 1 "$out/suite.log")"
+        grep -E "^(FAILED|ERROR)|spawn_ranks" "$out/suite.log" | cut -c1-200 | head -n 40
+        ;;
     sweep)
         timeout "$cap" python3 benchmarks/gpu_sweep_bwd.py --cell lstm 2>&1 | tee -a "$out/session.txt"
         ;;
@@ -59,7 +70,8 @@ for part in $parts; do
         rm -f "$out/bench-part.txt"
         ;;
     *)
-        echo "unknown part $part (tests, train, profile, sweep, bench-train, gru, lstm, adagrad, transcribe)" >&2
+        echo "unknown part $part (tests, train, profile, sweep, suite, bench-train, gru, lstm, adagrad," \
+            "transcribe)" >&2
         ;;
     esac
 done
