@@ -361,14 +361,17 @@ MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
 
 
 def scenario_main(rank: int, world: int) -> dict[str, Any]:
-    results = {}
+    results: dict[str, Any] = {"seconds": {}}  # each check's time, for a failure's report
     for name, check in MAIN_CHECKS.items():
+        start = time.monotonic()
         try:
             results[name] = check(rank, world)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
             if isinstance(results[name], dict) and "CommunicationError" in results[name]["error"]:
                 break  # the group is broken: the later checks would only time out
+        finally:
+            results["seconds"][name] = round(time.monotonic() - start, 1)
     return results
 
 

@@ -38,8 +38,15 @@ def run_group(tmp: Path, scenario: str, world: int, timeout_s: float, **options:
 @pytest.fixture(scope="module")
 def main_results(tmp_path_factory) -> list[dict[str, Any]]:
     results = run_group(tmp_path_factory.mktemp("ddp-main"), "main", WORLD, timeout_s=100)
+    # what the ranks that reported say: each check's seconds and the ends of its errors
+    told = {
+        r: {"seconds": res.get("seconds")}
+        | {k: v["error"][-600:] for k, v in res.items() if isinstance(v, dict) and "error" in v}
+        for r, res in enumerate(results)
+        if res is not None and "fatal" not in res
+    }
     for r, res in enumerate(results):
-        assert res is not None, f"rank {r} left no result (crashed or timed out)"
+        assert res is not None, f"rank {r} left no result (crashed or timed out); the others: {told}"
         assert "fatal" not in res, f"rank {r}: {res.get('fatal')}"
     return results
 
