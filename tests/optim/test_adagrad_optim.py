@@ -358,6 +358,26 @@ def test_fused_on_a_device_or_dtype_it_refuses_raises_torchs_error(param):
     assert errors[1] == errors[0]
 
 
+def test_fused_refuses_cuda_where_torchs_fused_adagrad_has_no_cuda_kernel(monkeypatch):
+    """torch 2.11's Adagrad checks fused parameters with ``cuda_unsupported=True`` (its refusal lists the
+    devices without 'cuda'); where torch's source says so, ours does the same, and the benchmarks' baseline
+    takes foreach on CUDA."""
+    from tandem.optim import adagrad
+
+    adagrad._fused_check_options.cache_clear()
+    monkeypatch.setattr(adagrad.inspect, "getsource", lambda obj: "check(p, cuda_unsupported=True)")
+    try:
+        p = torch.nn.Parameter(torch.empty(3, device="meta"))
+        p.grad = torch.ones_like(p)
+        with pytest.raises(RuntimeError, match="supported devices") as raised:
+            Adagrad([p], fused=True).step()
+        assert "'cuda'" not in str(raised.value) and "'cpu'" in str(raised.value)
+        assert not adagrad.torch_fused_takes(torch.device("cuda"))
+        assert adagrad.torch_fused_takes(torch.device("cpu"))
+    finally:
+        adagrad._fused_check_options.cache_clear()
+
+
 def test_nan_and_inf_gradients_behave_as_torch():
     init = [torch.randn(6), torch.randn(2, 3)]
     ps_a = [torch.nn.Parameter(x.clone()) for x in init]
