@@ -16,8 +16,8 @@ from tandem.ops.syncbn import sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
 
-# Whether torch's batch norms take ``bias`` (2.13 does, 2.11 does not): SyncBatchNorm takes it where they do.
-TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+# Whether torch.nn.SyncBatchNorm (and so torch's _BatchNorm) takes ``bias``: 2.13 does, 2.11 does not.
+TAKES_BIAS = "bias" in inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -218,7 +218,8 @@ class SyncBatchNorm(_BatchNorm):
         """
         output = module
         if isinstance(module, _BatchNorm):
-            extra = {} if not module.affine or module.bias is not None else {"bias": False}  # TAKES_BIAS
+            # a batch norm without its bias exists only where torch takes the argument (TAKES_BIAS)
+            extra = {} if not module.affine or module.bias is not None else {"bias": False}
             output = cls(
                 module.num_features,
                 module.eps,
