@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
+import subprocess
+import sys
 import time
 import traceback
 import zlib
@@ -716,6 +719,55 @@ def test_convert_sync_batchnorm_round_trip():
     assert torch.equal(fresh(x), want)
     single = tandem.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3))
     assert type(single) is tandem.nn.SyncBatchNorm
+
+
+# torch 2.11's batch norms, as far as SyncBatchNorm's constructor sees them: no ``bias`` argument
+_TORCH_WITHOUT_BIAS = """
+import torch
+
+base = torch.nn.modules.batchnorm._BatchNorm.__init__
+sync = torch.nn.SyncBatchNorm.__init__
+
+class _BatchNorm:  # the functions' qualified names are what a TypeError names
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 device=None, dtype=None):
+        base(self, num_features, eps, momentum, affine, track_running_stats, device, dtype)
+
+class SyncBatchNorm:
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 process_group=None, device=None, dtype=None):
+        sync(self, num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype)
+
+torch.nn.modules.batchnorm._BatchNorm.__init__ = _BatchNorm.__init__
+torch.nn.SyncBatchNorm.__init__ = SyncBatchNorm.__init__
+import tandem
+assert not tandem.nn.syncbn.TAKES_BIAS
+for cls in (torch.nn.SyncBatchNorm, tandem.nn.SyncBatchNorm):
+    try:
+        cls(4, bias=False)
+    except TypeError as e:
+        print(e)
+bn = tandem.nn.SyncBatchNorm(4, 1e-3, None, False, True, None, "cpu", torch.float64)
+print(bn.eps, bn.momentum, bn.affine, bn.running_mean.dtype)
+net = tandem.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+print(type(net[0]).__name__)
+"""
+
+
+def test_constructor_of_a_torch_without_bias_refuses_it_as_torch_does():
+    """Under a torch whose batch norms take no ``bias`` (2.11; simulated in a fresh process), SyncBatchNorm
+    has that torch's signature: ``bias=`` is torch's own TypeError, the rest builds as before."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    done = subprocess.run(
+        [sys.executable, "-c", _TORCH_WITHOUT_BIAS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(src)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    refusal = "SyncBatchNorm.__init__() got an unexpected keyword argument 'bias'"
+    assert done.stdout.splitlines() == [refusal, refusal, "0.001 None False torch.float64", "SyncBatchNorm"]
 
 
 # Every way of calling the constructor that torch.nn.SyncBatchNorm takes or refuses: the same module or
