@@ -6,35 +6,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-# On the CPU with Gloo, as in CI, on a machine with a GPU too (`--device auto` would pick CUDA there)
-ON_CPU = ("--device", "cpu")
+from asr._cli import free_port, tandem
 
 
-def _tandem(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
-    return subprocess.run(
-        [sys.executable, "-m", "tandem", "train", "--task", "classify", *ON_CPU, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+def _tandem(
+    *args: str, timeout: float = 240, pythonpath: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``tandem train --task classify ARGS`` to its end, as tests/asr/_cli.py runs the speech task (on the
+    CPU, this checkout's src/ on the path)."""
+    return tandem("--task", "classify", *args, timeout=timeout, pythonpath=pythonpath)
 
 
 SMALL = ("--hidden", "16", "--layers", "1", "--batch-size", "32")
@@ -42,7 +27,7 @@ SMALL = ("--hidden", "16", "--layers", "1", "--batch-size", "32")
 
 def test_two_processes_learn_and_write_their_files(tmp_path):
     out = tmp_path / "run"
-    done = _tandem("--nproc", "2", "--epochs", "3", "--out", str(out), *SMALL, "--master-port", _free_port())
+    done = _tandem("--nproc", "2", "--epochs", "3", "--out", str(out), *SMALL, "--master-port", free_port())
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["epochs"] == 3 and len(metrics["history"]) == 3
@@ -56,11 +41,11 @@ def test_two_processes_learn_and_write_their_files(tmp_path):
 def test_resumed_run_ends_with_the_uninterrupted_weights(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ("--nproc", "2", *SMALL)
-    first = _tandem(*common, "--epochs", "3", "--out", str(straight), "--master-port", _free_port())
+    first = _tandem(*common, "--epochs", "3", "--out", str(straight), "--master-port", free_port())
     assert first.returncode == 0, first.stderr[-3000:]
-    part = _tandem(*common, "--epochs", "2", "--out", str(resumed), "--master-port", _free_port())
+    part = _tandem(*common, "--epochs", "2", "--out", str(resumed), "--master-port", free_port())
     assert part.returncode == 0, part.stderr[-3000:]
-    rest = _tandem(*common, "--epochs", "3", "--resume", "--out", str(resumed), "--master-port", _free_port())
+    rest = _tandem(*common, "--epochs", "3", "--resume", "--out", str(resumed), "--master-port", free_port())
     assert rest.returncode == 0, rest.stderr[-3000:]
     a = torch.load(straight / "checkpoint.pt", weights_only=True)
     b = torch.load(resumed / "checkpoint.pt", weights_only=True)
@@ -75,12 +60,8 @@ def test_without_matplotlib_the_closing_line_names_only_what_was_written(tmp_pat
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
     out = tmp_path / "run"
-    env_path = os.pathsep.join(filter(None, [str(blocker.parent), str(SRC), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "tandem", "train", "--task", "classify", *ON_CPU, "--nproc", "1",
-         "--epochs", "1", "--out", str(out), *SMALL],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=env_path),
-    )  # fmt: skip
+    args = ("--nproc", "1", "--epochs", "1", "--out", str(out), *SMALL)
+    done = _tandem(*args, timeout=120, pythonpath=(str(blocker.parent),))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "matplotlib is not installed" in done.stdout
     assert done.stdout.splitlines()[-1].endswith(f"wrote checkpoint.pt, metrics.json to {out}")
@@ -145,7 +126,7 @@ def test_a_diverged_loss_ends_the_run_once_with_a_message(tmp_path):
     np.savez(data, features=features, lengths=np.full(64, 5), labels=rng.integers(0, 3, 64))
     out = tmp_path / "out"
     args = ("--data", str(data), "--nproc", "2", "--epochs", "2", "--hidden", "8", "--layers", "1")
-    done = _tandem(*args, "--out", str(out), "--master-port", _free_port(), timeout=120)
+    done = _tandem(*args, "--out", str(out), "--master-port", free_port(), timeout=120)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "tandem train: error: the loss became nan in epoch 1" in done.stderr
     assert done.stdout.count("tandem train: GRU") == 1, "torchrun restarted the ranks"
