@@ -24,6 +24,7 @@ from tandem.parallel import DistributedDataParallel as TandemDDP
 from tandem.parallel import hooks
 
 TorchDDP = torch.nn.parallel.DistributedDataParallel
+ONE_BYTE_MB = 1 / 2**20  # a bucket cap every parameter exceeds: one parameter per bucket
 LOCAL_BATCH = 4
 CHECK_TIMEOUT_S = 15.0  # tandem's collective timeout inside the correctness checks
 
@@ -300,7 +301,8 @@ def _check_hooks(rank: int, world: int) -> dict[str, Any]:
             m_t, m_d = mlp(torch.float32), mlp(torch.float32)
             cap = 0 if "one_param" in name else None
             ours = TandemDDP(m_t, process_group=pair_group, bucket_cap_mb=cap, timeout=CHECK_TIMEOUT_S)
-            theirs = TorchDDP(m_d, process_group=pair_group, bucket_cap_mb=cap)
+            # torch 2.11 refuses 0 ("bucket_cap_mb should be set by now"); one byte buckets the same way
+            theirs = TorchDDP(m_d, process_group=pair_group, bucket_cap_mb=ONE_BYTE_MB if cap == 0 else cap)
             ours.register_comm_hook(pair_group, ours_hook)
             theirs.register_comm_hook(pair_group, torch_hook)
             loss_fn(ours(x), y).backward()
