@@ -318,6 +318,77 @@ def test_fused_flag_conflicts_raise_like_torch(kwargs):
         Adagrad(params, **kwargs)
 
 
+def _raised(make) -> tuple[type, str] | None:
+    try:
+        make()
+    except Exception as e:
+        return type(e), str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("params", "kwargs"),
+    [
+        ([], {"fused": True, "differentiable": True}),  # the parameters are checked first
+        (torch.nn.Parameter(torch.zeros(3)), {"fused": True, "foreach": True}),
+        ([torch.nn.Parameter(torch.zeros(3))], {"lr": "0.1"}),  # torch's TypeError of its comparison
+        ([torch.nn.Parameter(torch.zeros(3))], {"eps": None}),
+    ],
+    ids=["empty-fused-differentiable", "tensor-fused-foreach", "lr-string", "eps-none"],
+)
+def test_constructor_refusals_in_torchs_order(params, kwargs):
+    theirs = _raised(lambda: torch.optim.Adagrad(params, **kwargs))
+    assert theirs is not None
+    assert _raised(lambda: Adagrad(params, **kwargs)) == theirs
+
+
+def _sparse_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, p.shape[1]), p.shape)
+
+
+@pytest.mark.parametrize("case", ["fused-sparse", "fused-complex-second", "foreach-differentiable"])
+def test_step_refusals_as_torch_before_any_change(case):
+    """torch's error at step(), and nothing moved (torch may have updated the groups before the one it
+    refuses; tandem checks every group first)."""
+
+    def make(cls):
+        dense = torch.nn.Parameter(torch.ones(3))
+        if case == "fused-sparse":
+            odd, kwargs = torch.nn.Parameter(torch.ones(4, 2)), dict(fused=True)
+        elif case == "fused-complex-second":
+            odd, kwargs = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64)), dict(fused=True)
+        else:
+            odd, kwargs = torch.nn.Parameter(torch.ones(2)), dict(foreach=True, differentiable=True)
+        opt = cls([{"params": [dense], "lr": 0.5}, {"params": [odd]}], **kwargs)
+        dense.grad = torch.ones(3)
+        odd.grad = _sparse_grad(odd) if case == "fused-sparse" else torch.ones_like(odd)
+        return opt, dense, odd
+
+    opt, *_ = make(torch.optim.Adagrad)
+    theirs = _raised(opt.step)
+    assert theirs is not None
+    opt, dense, odd = make(Adagrad)
+    assert _raised(opt.step) == theirs
+    assert torch.equal(dense, torch.ones(3)) and torch.equal(odd.detach(), torch.ones_like(odd))
+    assert all(opt.state[p]["step"].item() == 0 for p in (dense, odd))
+    assert torch.equal(opt.state[dense]["sum"], torch.zeros(3))
+
+
+def test_differentiable_refuses_an_lr_that_requires_grad():
+    """torch's update takes lr as a number there and refuses a tensor that requires grad (a TypeError);
+    its gradient would otherwise be lost without a word."""
+    lr = torch.tensor(0.1, requires_grad=True)
+
+    def step(cls):
+        q = torch.ones(3, requires_grad=True) * 1.0
+        q.grad = torch.ones(3)
+        cls([q], lr=lr, differentiable=True).step()
+
+    assert _raised(lambda: step(torch.optim.Adagrad))[0] is TypeError
+    with pytest.raises(TypeError, match="differentiable=True takes lr as a number"):
+        step(Adagrad)
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"foreach": True}, {"weight_decay": 0.1, "maximize": True, "lr_decay": 0.1}, {"tol": 1e-3}],

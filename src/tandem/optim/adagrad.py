@@ -49,15 +49,16 @@ def check_hyperparameters(
     """torch.optim.Adagrad's checks of its hyper-parameters, with its messages, in its order."""
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
-    if not lr >= 0.0:
+    # 0.0 <= x, as torch writes it: a value that does not compare raises torch's TypeError
+    if not 0.0 <= lr:  # noqa: SIM300
         raise ValueError(f"Invalid learning rate: {lr}")
-    if not lr_decay >= 0.0:
+    if not 0.0 <= lr_decay:  # noqa: SIM300
         raise ValueError(f"Invalid lr_decay value: {lr_decay}")
-    if not weight_decay >= 0.0:
+    if not 0.0 <= weight_decay:  # noqa: SIM300
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not initial_accumulator_value >= 0.0:
+    if not 0.0 <= initial_accumulator_value:  # noqa: SIM300
         raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
-    if not eps >= 0.0:
+    if not 0.0 <= eps:  # noqa: SIM300
         raise ValueError(f"Invalid epsilon value: {eps}")
 
 
@@ -112,17 +113,11 @@ class Adagrad(Optimizer):
         fused: bool | None = None,
         tol: float | None = None,
     ) -> None:
-        # torch.optim.Adagrad's checks and messages, in its order, then tol's.
+        # torch.optim.Adagrad's checks and messages, in its order (the hyper-parameters, the parameters in
+        # Optimizer.__init__, then fused's options), and tol's before them.
         check_hyperparameters(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
         if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0.0):
             raise ValueError(f"Invalid tol value: {tol} (expected None or a number >= 0)")
-        if fused:
-            if differentiable:
-                raise RuntimeError("`fused` does not support `differentiable`")
-            if foreach:
-                raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-            # as torch: step() checks the first parameter with a gradient once, with torch's error
-            self._need_device_dtype_check_for_fused = True
 
         defaults = dict(
             lr=lr,
@@ -136,6 +131,13 @@ class Adagrad(Optimizer):
             fused=fused,
         )
         super().__init__(params, defaults)
+        if fused:
+            if differentiable:
+                raise RuntimeError("`fused` does not support `differentiable`")
+            if foreach:
+                raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+            # as torch: step() checks the first parameter with a gradient once, with torch's error
+            self._need_device_dtype_check_for_fused = True
         self.tol = tol
         # GradScaler hands grad_scale/found_inf to step() instead of unscaling the grads itself: the
         # fused update unscales them in its single pass.
@@ -256,9 +258,22 @@ class Adagrad(Optimizer):
                 grads.append(p.grad)
                 sums.append(state["sum"])
                 steps.append(state["step"])
+            if group["foreach"] and group["differentiable"] and not group["fused"]:
+                # torch's foreach update refuses autograd, with a gradient or without
+                raise AssertionError("_foreach ops don't support autograd")
             if params:
                 if group["weight_decay"] != 0 and any(g.is_sparse for g in grads):
                     raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+                if group["fused"] and any(g.is_sparse or torch.is_complex(p) for p, g in zip(params, grads)):
+                    raise RuntimeError("`fused` does not support sparse grad or complex param")
+                lr = group["lr"]
+                if group["differentiable"] and isinstance(lr, Tensor) and lr.requires_grad:
+                    # torch's update takes lr as a number there (its addcdiv_ refuses a tensor value): a
+                    # gradient with respect to lr would silently be lost
+                    raise TypeError(
+                        "Adagrad: differentiable=True takes lr as a number or a tensor that does not "
+                        "require grad, got a tensor that requires grad"
+                    )
                 work.append((group, params, grads, sums, steps))
 
         maxima: list[Tensor] = []
