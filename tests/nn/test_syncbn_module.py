@@ -637,6 +637,40 @@ def test_bad_input_raises_like_torch():
         tandem.nn.SyncBatchNorm(0)(torch.randn(3, 0))
 
 
+def _outcome(module: torch.nn.Module, x: torch.Tensor) -> tuple[type, str] | torch.Tensor:
+    try:
+        return module(x)
+    except Exception as e:
+        return type(e), str(e)
+
+
+@pytest.mark.parametrize("case", ["untracked-other-channels", "eval-without-mean", "eval-without-var"])
+def test_edge_states_as_torch(case):
+    """Where torch's batch norm takes any channel count (no per-channel tensor reaches it) and which error
+    an eval-mode module without one of its running statistics raises."""
+    mods = [cls(3, affine=False) for cls in (tandem.nn.SyncBatchNorm, torch.nn.SyncBatchNorm)]
+    for m in mods:
+        if case == "untracked-other-channels":
+            m.track_running_stats = False  # the buffers stay, unused in training
+        else:
+            m.eval()
+            setattr(m, "running_mean" if case == "eval-without-mean" else "running_var", None)
+    x = torch.randn(4, 5 if case == "untracked-other-channels" else 3)
+    ours, theirs = (_outcome(m, x) for m in mods)
+    if isinstance(theirs, tuple):
+        assert ours == theirs
+    else:
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_training_without_num_batches_tracked_raises_torchs_assertion():
+    mods = [tandem.nn.SyncBatchNorm(3), torch.nn.SyncBatchNorm(3)]
+    for m in mods:
+        m.num_batches_tracked = None
+    ours, theirs = (_outcome(m, torch.randn(4, 3)) for m in mods)
+    assert theirs == (AssertionError, "num_batches_tracked must not be None") == ours
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

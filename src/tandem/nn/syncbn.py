@@ -121,8 +121,10 @@ class SyncBatchNorm(_BatchNorm):
     def _check_channels(self, input: Tensor) -> None:
         if input.size(1) == 0:
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
-        # torch only notices a wrong channel count through a per-channel tensor; so do we
-        has_per_channel = self.weight is not None or self.bias is not None or self.running_mean is not None
+        # torch only notices a wrong channel count through a per-channel tensor that batch_norm is given
+        # (running statistics only in eval or when tracked); so do we
+        has_stats = self.running_mean is not None and (not self.training or self.track_running_stats)
+        has_per_channel = self.weight is not None or self.bias is not None or has_stats
         if has_per_channel and input.size(1) != self.num_features:
             raise RuntimeError(
                 f"SyncBatchNorm: expected input with {self.num_features} channels in dim 1 (num_features), "
@@ -176,7 +178,9 @@ class SyncBatchNorm(_BatchNorm):
         self._check_channels(input)
         # torch's logic, except that num_batches_tracked moves only once the step has succeeded
         factor = 0.0 if self.momentum is None else self.momentum
-        tracking = self.training and self.track_running_stats and self.num_batches_tracked is not None
+        if self.training and self.track_running_stats and self.num_batches_tracked is None:
+            raise AssertionError("num_batches_tracked must not be None")  # torch.nn.SyncBatchNorm's check
+        tracking = self.training and self.track_running_stats
         if tracking and self.momentum is None:
             factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
         # batch statistics in training, and in eval when there are no running statistics

@@ -92,8 +92,10 @@ def sync_batch_norm(
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
     if mask is not None:
         _check_mask(mask, input)
-    if not training and (running_mean is None or running_var is None):
-        raise ValueError("sync_batch_norm: training=False needs running_mean and running_var, got None")
+    if not training:  # F.batch_norm's errors
+        for name, stat in (("running_mean", running_mean), ("running_var", running_var)):
+            if stat is None:
+                raise RuntimeError(f"{name} must be defined in evaluation mode")
     if training and eps <= 0.0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     group = sync_group(process_group) if training and sync else None
