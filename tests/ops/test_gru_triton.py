@@ -116,15 +116,18 @@ def _compare(case: Case, dtype: torch.dtype, atol: float, rtol: float) -> None:
         torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=name)
 
 
-@pytest.fixture(params=["persistent", "per-step", "per-step-graphs"])
+@pytest.fixture(params=["persistent", "per-step", "per-step-split", "per-step-graphs"])
 def kernel(request, monkeypatch):
     """Each test that takes this fixture runs with every kind of time loop, whatever the size: the
-    persistent kernels, the per-step kernels, and the per-step kernels recorded and replayed (CUDA graphs
-    on GPUs; on the CPU the same static-buffer handling around a plain replay)."""
+    persistent kernels, the per-step kernels (with the backward step fused, or split in two launches:
+    BWD_SPLIT), and the per-step kernels recorded and replayed (CUDA graphs on GPUs; on the CPU the same
+    static-buffer handling around a plain replay)."""
     if TRITON_DEVICE is not None:
         from tandem.ops.gru import triton as gru_triton
 
-        monkeypatch.setattr(gru_triton, "TIME_LOOP", request.param.removesuffix("-graphs"))
+        monkeypatch.setattr(gru_triton, "TIME_LOOP", request.param.split("-graphs")[0].split("-split")[0])
+        monkeypatch.setattr(gru_triton, "BWD_SPLIT", request.param.endswith("-split"))
+        monkeypatch.setattr(gru_triton, "_SPLIT_BLOCK", 16)  # several blocks of every kind in the cases
         monkeypatch.setattr(gru_triton, "CUDA_GRAPHS", request.param.endswith("-graphs"))
         monkeypatch.setattr(gru_triton, "STEP_GRAPHS", gru_triton.StepGraphs())
     return request.param
@@ -142,13 +145,17 @@ def test_triton_kernel_is_what_runs():
 
 
 @needs_triton
-@pytest.mark.parametrize("time_loop", ["per-step", "persistent"])
+@pytest.mark.parametrize("time_loop", ["per-step", "per-step-split", "persistent"])
 def test_triton_kernel_builds_once_for_any_lengths(time_loop: str, monkeypatch):
     """Speech batches differ in their lengths and so in every step's rows: no build per new pattern."""
+    from tandem.ops import _triton_rnn
     from tandem.ops.gru import triton as gru_triton
 
-    monkeypatch.setattr(gru_triton, "TIME_LOOP", time_loop)
+    monkeypatch.setattr(gru_triton, "TIME_LOOP", time_loop.removesuffix("-split"))
+    monkeypatch.setattr(gru_triton, "BWD_SPLIT", time_loop.endswith("-split"))
     kernels = [gru_triton._gru_fwd_step, gru_triton._gru_bwd_step]
+    if time_loop == "per-step-split":
+        kernels = [gru_triton._gru_fwd_step, gru_triton._gru_bwd_gates, _triton_rnn.step_product]
     if time_loop == "persistent":
         kernels = [gru_triton._gru_fwd_persistent, gru_triton._gru_bwd_persistent]
     gru = tandem.nn.GRU(8, 16, bidirectional=True, device=TRITON_DEVICE, dtype=torch.bfloat16)
@@ -285,24 +292,34 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "b
 
 
 def _compile_gru_sm90(kernel: str, dtype: torch.dtype, tf32: bool):
+    """``kernel``: "fwd" and "bwd" (the per-step kernels), "bwd-product" (the split backward's product;
+    its other half, elementwise, has no matmul to check)."""
     tl = pytest.importorskip("triton.language")
+    from tandem.ops import _triton_rnn
     from tandem.ops.gru import triton as gru_triton
 
-    fn = gru_triton._gru_fwd_step if kernel == "fwd" else gru_triton._gru_bwd_step
     compute = tl.float64 if dtype == torch.float64 else tl.float32
-    # the launch of the issue's T100-B32-H512 shape
-    options = gru_triton._step_meta(kernel, dtype, 32, 512)
-    blocks = {name: options.pop(name) for name in list(options) if name.startswith("BLOCK_")}
-    constexprs = dict(H=512, COMPUTE=compute, UPCAST=False, TF32=tf32, **blocks)
-    if kernel == "fwd":
-        constexprs["HAS_BIAS"] = True
     carry = "fp64" if dtype == torch.float64 else "fp32"
-    signature = sm90_signature(fn, constexprs, _DTYPE_NAMES[dtype], {"p_dhin": carry, "p_dhout": carry})
+    # the launch of the issue's T100-B32-H512 shape
+    if kernel == "bwd-product":
+        fn, pointers = _triton_rnn.step_product, {"p_out": carry}
+        common = dict(H=512, COMPUTE=compute, UPCAST=False, TF32=tf32)
+        options = gru_triton._split_meta(dtype, 32, 512, common)[1]
+        constexprs = {name: options.pop(name) for name in list(options) if name in fn.arg_names}
+    else:
+        fn = gru_triton._gru_fwd_step if kernel == "fwd" else gru_triton._gru_bwd_step
+        pointers = {"p_dhin": carry, "p_dhout": carry}
+        options = gru_triton._step_meta(kernel, dtype, 32, 512)
+        blocks = {name: options.pop(name) for name in list(options) if name.startswith("BLOCK_")}
+        constexprs = dict(H=512, COMPUTE=compute, UPCAST=False, TF32=tf32, **blocks)
+        if kernel == "fwd":
+            constexprs["HAS_BIAS"] = True
+    signature = sm90_signature(fn, constexprs, _DTYPE_NAMES[dtype], pointers)
     return compile_sm90(fn, signature, constexprs, **options)
 
 
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd-product"])
 @pytest.mark.parametrize(
     ("dtype", "tf32"),
     [

@@ -87,21 +87,23 @@ def tiles(monkeypatch):
 
     def shrink(size: int | None) -> None:
         if size is not None:
-            for name in ("_BLOCK_B_MAX", "_BLOCK_H", "_BLOCK_R"):
+            for name in ("_BLOCK_B_MAX", "_BLOCK_H", "_BLOCK_R", "_SPLIT_BLOCK"):
                 monkeypatch.setattr(lstm_triton, name, size)
 
     return shrink
 
 
-@pytest.fixture(params=["persistent", "per-step", "per-step-graphs"])
+@pytest.fixture(params=["persistent", "per-step", "per-step-split", "per-step-graphs"])
 def kernel(request, monkeypatch):
     """Each test that takes this fixture runs with every kind of time loop, whatever the size (with a
-    projection the first two are the per-step kernels): persistent, per-step, and per-step recorded and
-    replayed (CUDA graphs on GPUs; on the CPU the same static-buffer handling around a plain replay)."""
+    projection the first two are the per-step kernels): persistent, per-step (the backward step fused, or
+    split in two launches: BWD_SPLIT), and per-step recorded and replayed (CUDA graphs on GPUs; on the
+    CPU the same static-buffer handling around a plain replay)."""
     if TRITON_DEVICE is not None:
         from tandem.ops.lstm import triton as lstm_triton
 
-        monkeypatch.setattr(lstm_triton, "TIME_LOOP", request.param.removesuffix("-graphs"))
+        monkeypatch.setattr(lstm_triton, "TIME_LOOP", request.param.split("-graphs")[0].split("-split")[0])
+        monkeypatch.setattr(lstm_triton, "BWD_SPLIT", request.param.endswith("-split"))
         monkeypatch.setattr(lstm_triton, "CUDA_GRAPHS", request.param.endswith("-graphs"))
         monkeypatch.setattr(lstm_triton, "STEP_GRAPHS", lstm_triton.StepGraphs())
     return request.param
@@ -186,13 +188,17 @@ def test_triton_kernel_matches_torch_float64(case: Case, tiles, launches, kernel
 
 
 @needs_triton
-@pytest.mark.parametrize("time_loop", ["per-step", "persistent"])
+@pytest.mark.parametrize("time_loop", ["per-step", "per-step-split", "persistent"])
 def test_triton_kernel_builds_once_for_any_lengths(time_loop: str, monkeypatch):
     """Batches of other lengths reuse the kernels built for the first (see the GRU's test of the name)."""
+    from tandem.ops import _triton_rnn
     from tandem.ops.lstm import triton as lstm_triton
 
-    monkeypatch.setattr(lstm_triton, "TIME_LOOP", time_loop)
+    monkeypatch.setattr(lstm_triton, "TIME_LOOP", time_loop.removesuffix("-split"))
+    monkeypatch.setattr(lstm_triton, "BWD_SPLIT", time_loop.endswith("-split"))
     kernels = [lstm_triton._lstm_fwd_kernel, lstm_triton._lstm_bwd_kernel]
+    if time_loop == "per-step-split":
+        kernels = [lstm_triton._lstm_fwd_kernel, lstm_triton._lstm_bwd_gates, _triton_rnn.step_product]
     if time_loop == "persistent":
         kernels = [lstm_triton._lstm_fwd_persistent, lstm_triton._lstm_bwd_persistent]
     lstm = tandem.nn.LSTM(8, 16, bidirectional=True, device=TRITON_DEVICE, dtype=torch.float16)
@@ -375,26 +381,35 @@ _A100_SHARED = 166912  # bytes of shared memory one block may use on an A100 (16
 
 
 def _compile_sm90(kernel: str, dtype: torch.dtype, tf32: bool = False):
+    """``kernel``: "fwd" and "bwd" (the per-step kernels), "bwd-product" (the split backward's product;
+    its other half, elementwise, has no matmul to check)."""
     tl = pytest.importorskip("triton.language")
+    from tandem.ops import _triton_rnn
     from tandem.ops.lstm import triton as lstm_triton
 
-    fn = getattr(lstm_triton, f"_lstm_{kernel}_kernel")
     name = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}[
         dtype
     ]
     compute = "fp64" if dtype == torch.float64 else "fp32"
-    carries = {"p_dhin", "p_dhout", "p_dcin", "p_dcout"}  # the backward's carries are in the compute dtype
+    carries = {"p_dhin", "p_dhout", "p_dcin", "p_dcout", "p_out"}  # the carries are in the compute dtype
     constexprs = dict(COMPUTE=tl.float64 if dtype == torch.float64 else tl.float32, UPCAST=False, TF32=tf32)
     # the launch of the issue's T100-B32-H512 shape
-    options = lstm_triton._step_meta(kernel, dtype, 32, 512, 512)
-    constexprs |= {key: options.pop(key) for key in list(options) if key.startswith("BLOCK_")}
-    constexprs |= dict(HAS_DH=True, HAS_DHIN=True) if kernel == "bwd" else {}
+    if kernel == "bwd-product":
+        fn = _triton_rnn.step_product
+        flags = dict(HAS_DH=True, HAS_DHIN=True) | constexprs
+        options = lstm_triton._split_meta(dtype, 32, 512, 512, flags)[1]
+        constexprs = {key: options.pop(key) for key in list(options) if key in fn.arg_names}
+    else:
+        fn = getattr(lstm_triton, f"_lstm_{kernel}_kernel")
+        options = lstm_triton._step_meta(kernel, dtype, 32, 512, 512)
+        constexprs |= {key: options.pop(key) for key in list(options) if key.startswith("BLOCK_")}
+        constexprs |= dict(HAS_DH=True, HAS_DHIN=True) if kernel == "bwd" else {}
     signature = sm90_signature(fn, constexprs, name, dict.fromkeys(carries, compute))
     return compile_sm90(fn, signature, constexprs, **options)
 
 
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd-product"])
 @pytest.mark.parametrize(
     "dtype",
     [torch.float32, torch.float64, torch.bfloat16, torch.float16],
@@ -415,7 +430,7 @@ def test_sm90_build_uses_the_intended_matmuls(kernel, dtype):
 
 
 @pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd-product"])
 def test_sm90_build_takes_tf32_when_asked(kernel):
     """With ``torch.backends.cudnn.allow_tf32`` (as torch.nn.LSTM's cuDNN kernels) float32 products round
     to TF32 on the tensor cores."""

@@ -25,6 +25,8 @@ __all__ = [
     "step_rows",
     "StepGraphs",
     "gate_tile",
+    "step_product",
+    "product_meta",
 ]
 
 
@@ -62,6 +64,64 @@ def gate_tile(p_w, i_d, gate: tl.constexpr, o_j, H: tl.constexpr, G: tl.constexp
     if TRANSPOSED:
         return tl.load(p_rows + o_j[None, :] * H + o_j[:, None], mask=m_j[:, None] & m_j[None, :], other=0.0)
     return tl.load(p_rows + o_j[:, None] * H + o_j[None, :], mask=m_j[:, None] & m_j[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["row0", "n_rows", "batch", "total"])
+def step_product(
+    p_a,  # [D, P, K]: a step-packed buffer (the step's gate gradients), contiguous
+    p_w,  # [D, K, N]: W_hh, contiguous
+    p_out,  # [D, B, N]: out: the carry rows; += the product if ACCUMULATE, else = it
+    row0,  # the step's first step-packed row
+    n_rows,  # the step's active sequences
+    batch,  # B: the carry buffer's rows
+    total,  # P
+    K: tl.constexpr,
+    N: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TF32: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The product half of a split backward step (the other half computes the gate gradients element by
+    element): ``out[d, b] (+)= a[d, row0 + b] @ W[d]`` for the step's rows, grid ``(D, cdiv(n_rows,
+    BLOCK_B), cdiv(N, BLOCK_N))``. A plain tile product over K: no program repeats another's work."""
+    i_d = tl.program_id(0).to(tl.int64)  # offsets in int64: D * P * K can pass 2**31
+    o_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_b = o_b < n_rows
+    m_n = o_n < N
+    p_a_rows = p_a + i_d * total * K + (row0 + o_b).to(tl.int64)[:, None] * K
+    p_w_d = p_w + i_d * K * N + o_n[None, :]
+    b_acc = tl.zeros((BLOCK_B, BLOCK_N), COMPUTE)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_a = tl.load(p_a_rows + o_k[None, :], mask=m_b[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w_d + o_k[:, None] * N, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_acc = dot(b_a, b_w, b_acc, UPCAST, TF32)
+    o_out = i_d * batch * N + o_b[:, None] * N + o_n[None, :]
+    m = m_b[:, None] & m_n[None, :]
+    if ACCUMULATE:
+        b_acc += tl.load(p_out + o_out, mask=m, other=0.0).to(COMPUTE)
+    tl.store(p_out + o_out, b_acc.to(p_out.dtype.element_ty), mask=m)
+
+
+def product_meta(dtype: torch.dtype, batch: int, k: int, n: int, most: int = 64) -> dict:
+    """Block sizes and launch options of :func:`step_product` for a ``[batch, k] x [k, n]`` step, no
+    block over ``most`` (the tests shrink it to get several blocks out of tiny shapes). Not tuned on a
+    GPU yet."""
+    block = lambda size, hi: max(16, min(hi, most, triton.next_power_of_2(size)))
+    f64 = dtype == torch.float64
+    return dict(
+        BLOCK_B=block(batch, 16 if f64 else 32),
+        BLOCK_K=block(k, 32 if f64 else 64),
+        BLOCK_N=block(n, 32),
+        num_warps=4,
+        enable_fp_fusion=True,
+    )
 
 
 def upcast(x: Tensor) -> bool:

@@ -60,6 +60,8 @@ from tandem.ops._triton_rnn import (
     gate_tile,
     persistent_meta,
     precision,
+    product_meta,
+    step_product,
     step_rows,
     tf32,
     upcast,
@@ -82,6 +84,13 @@ _FMA = dict(enable_fp_fusion=True)
 # gap between steps. Off until measured on a GPU (none has been lent yet); tests run it on the CPU.
 CUDA_GRAPHS = False
 STEP_GRAPHS = StepGraphs()
+
+# Whether the per-step backward runs as two launches a step, the gate gradients element by element
+# (_gru_bwd_gates) and then dL/dh_prev as a tile product over every column block (step_product), instead
+# of the fused _gru_bwd_step, whose programs each recompute the gate gradients of all H columns. Off until
+# timed on a GPU (benchmarks/gpu_sweep_bwd.py compares the two); the tests run both.
+BWD_SPLIT = False
+_SPLIT_BLOCK = 64  # the largest block of the split step's kernels (the tests shrink it)
 
 # Which time loop runs: "auto" (the persistent kernels where _PERSISTENT_WARPS has the hidden size, the
 # per-step kernels elsewhere), or "persistent" / "per-step" for every size (tests, benchmarks).
@@ -168,6 +177,17 @@ def _gru_fwd_step(
     tl.store(p_states + o_row, b_h.to(out_dtype), mask=m)
 
 
+@triton.jit
+def _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn):
+    """The step's pre-activation gate gradients ``(dr, dz, dn, dn * r)`` from dL/dh of its states and its
+    saved r, z, n, state h and ``W_hn h_prev + b_hn``, element by element."""
+    b_a = b_dh * (1.0 - b_z)
+    b_dz = b_a * (b_h - b_n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
+    b_dn = b_a * (1.0 - b_n * b_n)
+    b_dn_h = b_dn * b_r
+    return b_dn_h * b_hn * (1.0 - b_r), b_dz, b_dn, b_dn_h
+
+
 @triton.jit(do_not_specialize=["row0", "n_rows", "batch", "total"])
 def _gru_bwd_step(
     p_dhin,  # [D, B, H] fp32: dL/dh of this step's states, except the output's part
@@ -213,11 +233,8 @@ def _gru_bwd_step(
         b_z = tl.load(p_gates + o_row3 + H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
         b_n = tl.load(p_gates + o_row3 + 2 * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
         b_h = tl.load(p_states + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_a = b_dh * (1.0 - b_z)
-        b_dz = b_a * (b_h - b_n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
-        b_dn = b_a * (1.0 - b_n * b_n)
-        b_dn_h = b_dn * b_r
-        b_dr = b_dn_h * tl.load(p_hn + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE) * (1.0 - b_r)
+        b_hn = tl.load(p_hn + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+        b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn)
         # the matmul reads the gate gradients rounded as the saved ones, like the reference
         b_dr, b_dz, b_dn_h = b_dr.to(dt), b_dz.to(dt), b_dn_h.to(dt)
         if i_k == 0:
@@ -237,6 +254,51 @@ def _gru_bwd_step(
     b_dh += tl.load(p_dy + o_row + o_k[None, :], mask=m, other=0.0).to(COMPUTE)
     b_z = tl.load(p_gates + o_row3 + H + o_k[None, :], mask=m, other=0.0).to(COMPUTE)
     tl.store(p_dhout + o_carry + o_k[None, :], (b_acc + b_dh * b_z).to(p_dhout.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["row0", "n_rows", "batch", "total"])
+def _gru_bwd_gates(
+    p_dhin,  # [D, B, H] fp32: dL/dh of this step's states, except the output's part
+    p_dhout,  # [D, B, H] fp32: out: dh * z, the part of dL/dh_prev that is no product
+    p_dy,  # [D, P, H]: the output's gradient, step-packed
+    p_gates,  # [D, P, 3H]: r, z, n
+    p_hn,  # [D, P, H]: W_hn h_prev + b_hn
+    p_states,  # [D, P, H]: this step's states
+    p_dgates,  # [D, P, 3H]: out: dr, dz, dn * r (pre-activation, hidden side)
+    p_dn_in,  # [D, P, H]: out: dn (pre-activation, input side)
+    row0,
+    n_rows,
+    batch,  # B: the carry buffers' rows
+    total,  # P
+    H: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    """The elementwise half of a split backward step (``BWD_SPLIT``), grid ``(D, cdiv(n_rows, BLOCK_B),
+    cdiv(H, BLOCK_J))``: each program computes the gate gradients of its own tile once; then
+    :func:`tandem.ops._triton_rnn.step_product` adds ``dgates @ W_hh`` to ``dh * z``."""
+    i_d = tl.program_id(0).to(tl.int64)
+    o_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
+    m = (o_b < n_rows)[:, None] & (o_j < H)[None, :]
+    o_carry = i_d * batch * H + o_b[:, None] * H + o_j[None, :]
+    o_row = i_d * total * H + (row0 + o_b).to(tl.int64)[:, None] * H + o_j[None, :]
+    o_row3 = i_d * total * 3 * H + (row0 + o_b).to(tl.int64)[:, None] * (3 * H) + o_j[None, :]
+    dt = p_gates.dtype.element_ty
+    b_dh = tl.load(p_dhin + o_carry, mask=m, other=0.0).to(COMPUTE)
+    b_dh += tl.load(p_dy + o_row, mask=m, other=0.0).to(COMPUTE)
+    b_r = tl.load(p_gates + o_row3, mask=m, other=0.0).to(COMPUTE)
+    b_z = tl.load(p_gates + o_row3 + H, mask=m, other=0.0).to(COMPUTE)
+    b_n = tl.load(p_gates + o_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
+    b_h = tl.load(p_states + o_row, mask=m, other=0.0).to(COMPUTE)
+    b_hn = tl.load(p_hn + o_row, mask=m, other=0.0).to(COMPUTE)
+    b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn)
+    tl.store(p_dgates + o_row3, b_dr.to(dt), mask=m)
+    tl.store(p_dgates + o_row3 + H, b_dz.to(dt), mask=m)
+    tl.store(p_dgates + o_row3 + 2 * H, b_dn_h.to(dt), mask=m)
+    tl.store(p_dn_in + o_row, b_dn.to(dt), mask=m)
+    tl.store(p_dhout + o_carry, (b_dh * b_z).to(p_dhout.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["n_steps", "batch", "total"])
@@ -349,11 +411,8 @@ def _gru_bwd_persistent(
             b_z = tl.load(p_gates + o_row3 + H, mask=m, other=0.0).to(COMPUTE)
             b_n = tl.load(p_gates + o_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
             b_h = tl.load(p_states + o_row, mask=m, other=0.0).to(COMPUTE)
-            b_a = b_dh * (1.0 - b_z)
-            b_dz = b_a * (b_h - b_n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
-            b_dn = b_a * (1.0 - b_n * b_n)
-            b_dn_h = b_dn * b_r
-            b_dr = b_dn_h * tl.load(p_hn + o_row, mask=m, other=0.0).to(COMPUTE) * (1.0 - b_r)
+            b_hn = tl.load(p_hn + o_row, mask=m, other=0.0).to(COMPUTE)
+            b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn)
             b_dr, b_dz, b_dn_h = b_dr.to(dt), b_dz.to(dt), b_dn_h.to(dt)
             tl.store(p_dgates + o_row3, b_dr, mask=m)
             tl.store(p_dgates + o_row3 + H, b_dz, mask=m)
@@ -396,6 +455,18 @@ def _step_meta(kind: str, dtype: torch.dtype, batch: int, hid: int) -> dict:
         return meta | dict(BLOCK_H=_block(hid, 16, 64), BLOCK_K=_block(hid, 16, 32), num_warps=4)
     block_j = 32 if dtype in (torch.bfloat16, torch.float16) else 16
     return meta | dict(BLOCK_J=_block(hid, 16, block_j), BLOCK_K=16, num_warps=4)
+
+
+def _split_meta(dtype: torch.dtype, batch: int, hid: int, meta: dict) -> tuple[dict, dict]:
+    """Launch options of the split backward step's two kernels (``BWD_SPLIT``): the gate gradients'
+    (``_gru_bwd_gates``) and the product's (``step_product``); ``meta`` holds the common ones (H,
+    COMPUTE, UPCAST, TF32). Not tuned on a GPU yet."""
+    most = _SPLIT_BLOCK
+    gates = dict(H=hid, COMPUTE=meta["COMPUTE"], **_FMA, num_warps=4)
+    gates |= dict(BLOCK_B=_block(batch, 16, min(32, most)), BLOCK_J=_block(hid, 16, most))
+    product = dict(K=3 * hid, N=hid, ACCUMULATE=True, COMPUTE=meta["COMPUTE"], UPCAST=meta["UPCAST"])
+    product |= dict(TF32=meta["TF32"]) | product_meta(dtype, batch, 3 * hid, hid, most)
+    return gates, product
 
 
 def _persistent_meta(kind: str, x: Tensor, hid: int) -> dict | None:
@@ -507,14 +578,26 @@ def gru_bwd_triton(
         # holds dh0
         last = f"carry{len(steps.sizes) % 2}"
 
+        split = _split_meta(x.dtype, batch, hid, meta) if BWD_SPLIT else None
+
         def loop(b: dict[str, Tensor]) -> None:
             carry = (b["carry0"], b["carry1"])
             for i, s in enumerate(range(len(steps.sizes) - 1, -1, -1)):
-                n = steps.sizes[s]
+                n, row0, dh_in, dh_out = steps.sizes[s], steps.offsets[s], carry[i % 2], carry[(i + 1) % 2]
+                if split:
+                    ew, product = split
+                    grid = (d_, triton.cdiv(n, ew["BLOCK_B"]), triton.cdiv(hid, ew["BLOCK_J"]))
+                    _gru_bwd_gates[grid](
+                        dh_in, dh_out, b["grad_out"], b["gates"], b["hn"], b["states"], b["dgates"],
+                        b["dn_in"], row0, n, batch, total, **ew,
+                    )  # fmt: skip
+                    grid = (d_, triton.cdiv(n, product["BLOCK_B"]), triton.cdiv(hid, product["BLOCK_N"]))
+                    step_product[grid](b["dgates"], b["w_hh"], dh_out, row0, n, batch, total, **product)
+                    continue
                 grid = (d_, triton.cdiv(n, meta["BLOCK_B"]), triton.cdiv(hid, meta["BLOCK_K"]))
                 _gru_bwd_step[grid](
-                    carry[i % 2], carry[(i + 1) % 2], b["grad_out"], b["gates"], b["hn"], b["states"],
-                    b["w_hh"], b["dgates"], b["dn_in"], steps.offsets[s], n, batch, total, **meta,
+                    dh_in, dh_out, b["grad_out"], b["gates"], b["hn"], b["states"], b["w_hh"], b["dgates"],
+                    b["dn_in"], row0, n, batch, total, **meta,
                 )  # fmt: skip
 
         carry0 = dh_n.to(compute_dtype(x.dtype)[0], copy=True).contiguous()
@@ -522,7 +605,7 @@ def gru_bwd_triton(
         reads |= dict(states=states.contiguous(), w_hh=w_hh)
         if CUDA_GRAPHS:
             key = ("bwd", x.device, x.dtype, d_, batch, hid, total, tuple(steps.sizes))
-            key += (tuple(sorted(meta.items())),)
+            key += (tuple(sorted(meta.items())), BWD_SPLIT)
             updates = {last: reads.pop(last)}
             out = STEP_GRAPHS.run(key, loop, reads, updates, {}, dict(dgates=dgates, dn_in=dn_in))
             dgates, dn_in, dh0 = out["dgates"], out["dn_in"], out[last]

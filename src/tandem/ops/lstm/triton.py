@@ -77,6 +77,8 @@ from tandem.ops._triton_rnn import (
     gate_tile,
     persistent_meta,
     precision,
+    product_meta,
+    step_product,
     step_rows,
     tf32,
     upcast,
@@ -98,6 +100,14 @@ LAUNCH_OPTIONS = dict(num_warps=4, num_stages=2, enable_fp_fusion=True)
 # per-step kernels elsewhere), or "persistent" / "per-step" for every size (tests, benchmarks). With a
 # projection the per-step kernels always run.
 TIME_LOOP = "auto"
+
+# Whether the per-step backward runs as two launches a step, dz and dc_prev element by element
+# (_lstm_bwd_gates) and then dh_prev = dz @ W_hh as a tile product over every column block (step_product),
+# instead of the fused _lstm_bwd_kernel, whose R / BLOCK_R programs of a row block each recompute the gate
+# gradients of all H columns. Off until timed on a GPU (benchmarks/gpu_sweep_bwd.py --split compares the
+# two); the tests run both.
+BWD_SPLIT = False
+_SPLIT_BLOCK = 64  # the largest block of the split step's kernels (the tests shrink it)
 
 # Whether the per-step loops are recorded once per problem and replayed (CUDA graphs on GPUs), as the
 # GRU's: off until measured on a GPU (none has been lent yet); tests run it on the CPU.
@@ -204,6 +214,20 @@ def _lstm_fwd_kernel(
     tl.store(p_h + r_row[:, None] * H + o_j[None, :], b_hn.to(DTYPE), mask=m)
 
 
+@triton.jit
+def _gate_grads(b_i, b_f, b_sg, b_o, b_c, b_cp, b_dh, b_dc):
+    """The step's pre-activation gate gradients ``(dz_i, dz_f, dz_g, dz_o)`` and its full dL/dc, element
+    by element, from the saved activations (i, f, sigmoid(2 a_g), o), C = 2c and C_prev, dL/dh of its
+    state and the dL/dc carried from the next step."""
+    b_tc = 2.0 * tl.sigmoid(b_c) - 1.0  # tanh(c) from the saved C = 2c
+    b_dc += b_dh * b_o * (1.0 - b_tc * b_tc)
+    b_dzi = b_dc * (2.0 * b_sg - 1.0) * b_i * (1.0 - b_i)
+    b_dzf = b_dc * (0.5 * b_cp) * b_f * (1.0 - b_f)
+    b_dzg = b_dc * b_i * 2.0 * b_sg * (1.0 - b_sg)  # d/dz_g of g = 2 sigmoid(z_g) - 1, z_g = 2 a_g
+    b_dzo = b_dh * b_tc * b_o * (1.0 - b_o)
+    return b_dzi, b_dzf, b_dzg, b_dzo, b_dc
+
+
 @triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "o_dh", "s_dh_d", "n", "P", "B"])
 def _lstm_bwd_kernel(
     p_gates,  # [D, P, 4H] saved (i, f, sigmoid(2 a_g), o)
@@ -265,13 +289,7 @@ def _lstm_bwd_kernel(
         if HAS_DHIN:
             b_dh += tl.load(p_dhin + r_carry[:, None] * R + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
         b_dc = tl.load(p_dcin + r_carry[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-
-        b_tc = 2.0 * tl.sigmoid(b_c) - 1.0  # tanh(c) from the saved C = 2c
-        b_dc += b_dh * b_o * (1.0 - b_tc * b_tc)
-        b_dzi = b_dc * (2.0 * b_sg - 1.0) * b_i * (1.0 - b_i)
-        b_dzf = b_dc * (0.5 * b_cp) * b_f * (1.0 - b_f)
-        b_dzg = b_dc * b_i * 2.0 * b_sg * (1.0 - b_sg)  # d/dz_g of g = 2 sigmoid(z_g) - 1, z_g = 2 a_g
-        b_dzo = b_dh * b_tc * b_o * (1.0 - b_o)
+        b_dzi, b_dzf, b_dzg, b_dzo, b_dc = _gate_grads(b_i, b_f, b_sg, b_o, b_c, b_cp, b_dh, b_dc)
         # Half inputs: dz rounds to the input dtype (what the post-loop matmuls read too) for the MMA.
         b_dzi, b_dzf, b_dzg, b_dzo = b_dzi.to(DTYPE), b_dzf.to(DTYPE), b_dzg.to(DTYPE), b_dzo.to(DTYPE)
 
@@ -293,6 +311,66 @@ def _lstm_bwd_kernel(
 
     p_dho = p_dhout + r_carry[:, None] * R + o_r[None, :]
     tl.store(p_dho, b_acc.to(p_dhout.dtype.element_ty), mask=m_b[:, None] & m_r[None, :])
+
+
+@triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "o_dh", "s_dh_d", "n", "P", "B"])
+def _lstm_bwd_gates(
+    p_gates,  # [D, P, 4H] saved (i, f, sigmoid(2 a_g), o)
+    p_cells,  # [D, P, H] saved C = 2c
+    p_cprev,  # [D, B, H] 2 c0 at step 0, else ``cells``
+    p_dh,  # [D, ., H] dL/dh from outside the recurrence, as _lstm_bwd_kernel's
+    p_dhin,  # [D, B, R] carry dL/dh from step s+1 (seeded with dh_n)
+    p_dcin,  # [D, B, H] carry dL/dc from step s+1 (seeded with dc_n)
+    p_dcout,  # [D, B, H] out: carry to step s-1 (dc0 after step 0)
+    p_dz,  # [D, P, 4H] out: dL/dz of the (g-doubled) pre-activations
+    o_row,  # first packed row of the step
+    o_prev,  # row of sequence 0's previous cell state in p_cprev
+    s_prev_d,  # rows per direction of p_cprev (B at step 0, P later)
+    o_dh,  # row of sequence 0 in p_dh
+    s_dh_d,  # rows per direction of p_dh
+    n,  # active sequences at this step
+    P,
+    B,
+    H,
+    R,
+    HAS_DH: tl.constexpr,
+    HAS_DHIN: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The elementwise half of a split backward step (``BWD_SPLIT``), grid ``(D, cdiv(n, BLOCK_B),
+    cdiv(H, BLOCK_H))``: each program computes dz and dc_prev = dc * f of its own tile once; then
+    :func:`tandem.ops._triton_rnn.step_product` writes dh_prev = dz @ W_hh."""
+    i_d = tl.program_id(0)
+    o_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    o_j = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = (o_b < n)[:, None] & (o_j < H)[None, :]
+    r_row = (i_d * P + o_row + o_b).to(tl.int64)
+    r_prev = (i_d * s_prev_d + o_prev + o_b).to(tl.int64)
+    r_dh = (i_d * s_dh_d + o_dh + o_b).to(tl.int64)
+    r_carry = (i_d * B + o_b).to(tl.int64)
+    DTYPE = p_dz.dtype.element_ty
+    p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
+    b_i = tl.load(p_g, mask=m, other=0.0).to(COMPUTE)
+    b_f = tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE)
+    b_sg = tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)
+    b_o = tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE)
+    b_c = tl.load(p_cells + r_row[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_cp = tl.load(p_cprev + r_prev[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_dh = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
+    if HAS_DH:
+        b_dh += tl.load(p_dh + r_dh[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    if HAS_DHIN:
+        b_dh += tl.load(p_dhin + r_carry[:, None] * R + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_dc = tl.load(p_dcin + r_carry[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_dzi, b_dzf, b_dzg, b_dzo, b_dc = _gate_grads(b_i, b_f, b_sg, b_o, b_c, b_cp, b_dh, b_dc)
+    p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
+    tl.store(p_z, b_dzi.to(DTYPE), mask=m)
+    tl.store(p_z + H, b_dzf.to(DTYPE), mask=m)
+    tl.store(p_z + 2 * H, b_dzg.to(DTYPE), mask=m)
+    tl.store(p_z + 3 * H, b_dzo.to(DTYPE), mask=m)
+    tl.store(p_dcout + r_carry[:, None] * H + o_j[None, :], (b_dc * b_f).to(p_dcout.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["n_steps", "B", "P"])
@@ -418,13 +496,7 @@ def _lstm_bwd_persistent(
             b_sg = tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)
             b_o = tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE)
             b_c = tl.load(p_cells + r_row[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-
-            b_tc = 2.0 * tl.sigmoid(b_c) - 1.0  # tanh(c) from the saved C = 2c
-            b_dc = b_dcc + b_dh * b_o * (1.0 - b_tc * b_tc)
-            b_dzi = b_dc * (2.0 * b_sg - 1.0) * b_i * (1.0 - b_i)
-            b_dzf = b_dc * (0.5 * b_cp) * b_f * (1.0 - b_f)
-            b_dzg = b_dc * b_i * 2.0 * b_sg * (1.0 - b_sg)
-            b_dzo = b_dh * b_tc * b_o * (1.0 - b_o)
+            b_dzi, b_dzf, b_dzg, b_dzo, b_dc = _gate_grads(b_i, b_f, b_sg, b_o, b_c, b_cp, b_dh, b_dcc)
             b_dzi, b_dzf, b_dzg, b_dzo = b_dzi.to(DTYPE), b_dzf.to(DTYPE), b_dzg.to(DTYPE), b_dzo.to(DTYPE)
             p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
             tl.store(p_z, b_dzi, mask=m)
@@ -458,6 +530,18 @@ def _step_meta(kind: str, dtype: torch.dtype, batch: int, hid: int, out_size: in
     backward's alone (benchmarks/gpu_sweep_bwd.py)."""
     block_b, block_h, block_r = _blocks(batch, hid, out_size)
     return dict(BLOCK_B=block_b, BLOCK_H=block_h, BLOCK_R=block_r, **LAUNCH_OPTIONS)
+
+
+def _split_meta(dtype: torch.dtype, batch: int, hid: int, out_size: int, meta: dict) -> tuple[dict, dict]:
+    """Launch options of the split backward step's two kernels (``BWD_SPLIT``): the gate gradients'
+    (``_lstm_bwd_gates``) and the product's (``step_product``); ``meta`` holds the fused kernel's flags
+    (HAS_DH, HAS_DHIN, COMPUTE, UPCAST, TF32). Not tuned on a GPU yet."""
+    block = lambda size, hi: max(16, min(hi, _SPLIT_BLOCK, triton.next_power_of_2(size)))
+    gates = {k: meta[k] for k in ("HAS_DH", "HAS_DHIN", "COMPUTE")} | dict(num_warps=4, enable_fp_fusion=True)
+    gates |= dict(BLOCK_B=block(batch, 32), BLOCK_H=block(hid, 64))
+    product = {k: meta[k] for k in ("COMPUTE", "UPCAST", "TF32")}
+    product |= dict(K=4 * hid, N=out_size, ACCUMULATE=False)
+    return gates, product | product_meta(dtype, batch, 4 * hid, out_size, _SPLIT_BLOCK)
 
 
 def _persistent_meta(kind: str, x: Tensor, hid: int, has_proj: bool) -> dict | None:
@@ -620,6 +704,7 @@ def lstm_bwd_triton(
         meta = dict(HAS_DH=has_dh, HAS_DHIN=not has_proj, COMPUTE=tl_compute, UPCAST=upcast(x), TF32=tf32(x))
         meta |= _step_meta("bwd", x.dtype, batch, hid, out_size)
         block_b, block_r = meta["BLOCK_B"], meta["BLOCK_R"]
+        split = _split_meta(x.dtype, batch, hid, out_size, meta) if BWD_SPLIT else None
 
         def loop(b: dict[str, Tensor]) -> None:
             # the carries ping-pong: step s reads pair i_in and writes the other
@@ -638,6 +723,18 @@ def lstm_bwd_triton(
                     dh_args = (dh_src, 0, n)
                 else:
                     dh_args = (b["grad_h"] if has_dh else b["dz"], offsets[s], total)
+                if split:
+                    ew, product = split
+                    grid = (d_, triton.cdiv(n, ew["BLOCK_B"]), triton.cdiv(hid, ew["BLOCK_H"]))
+                    dh_out, dc_out = dh_pp[1 - i_in], dc_pp[1 - i_in]
+                    _lstm_bwd_gates[grid](
+                        b["gates"], b["cells"], c_prev[0], dh_args[0], dh_pp[i_in], dc_pp[i_in], dc_out,
+                        b["dz"], offsets[s], c_prev[1], c_prev[2], dh_args[1], dh_args[2], n, total, batch,
+                        hid, out_size, **ew,
+                    )  # fmt: skip
+                    grid = (d_, triton.cdiv(n, product["BLOCK_B"]), triton.cdiv(out_size, product["BLOCK_N"]))
+                    step_product[grid](b["dz"], b["w_hh_s"], dh_out, offsets[s], n, batch, total, **product)
+                    continue
                 grid = (d_, triton.cdiv(n, block_b), triton.cdiv(out_size, block_r))
                 _lstm_bwd_kernel[grid](
                     b["gates"], b["cells"], c_prev[0], dh_args[0], dh_pp[i_in], dc_pp[i_in], dh_pp[1 - i_in],
@@ -662,7 +759,7 @@ def lstm_bwd_triton(
             updates[name] = reads.pop(name)
         if CUDA_GRAPHS:
             key = ("bwd", x.device, x.dtype, d_, batch, hid, out_size, total, tuple(sizes))
-            key += (tuple(sorted(meta.items())),)
+            key += (tuple(sorted(meta.items())), BWD_SPLIT)
             out = STEP_GRAPHS.run(key, loop, reads, updates, {}, scratch)
         else:
             out = reads | updates | scratch
