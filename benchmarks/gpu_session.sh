@@ -9,6 +9,7 @@
 # "profile" is benchmarks/gpu_profile.py (a GRU and an LSTM training step, kernel by kernel); "bench-train"
 # is `tandem bench --op train` (the whole job, tandem's parts against torch's). Not in the defaults:
 # "sweep" (benchmarks/gpu_sweep_bwd.py --cell lstm: the LSTM's backward blocks, about a minute);
+# "split" (benchmarks/gpu_sweep_bwd.py --split: the split backward step against the fused, both cells);
 # "suite" (the whole test suite under the image's torch, 2.11, which CI never runs: 6 minutes with 14
 # pytest processes; it needs the wheels of benchmarks/gpu_wheels.sh, carried as .whl, and CAP=400).
 # Bench options (--quick, --min-time S) go to every benchmark.
@@ -59,6 +60,9 @@ for part in $parts; do
     sweep)
         timeout "$cap" python3 benchmarks/gpu_sweep_bwd.py --cell lstm 2>&1 | tee -a "$out/session.txt"
         ;;
+    split)
+        timeout "$cap" python3 benchmarks/gpu_sweep_bwd.py --split 2>&1 | tee -a "$out/session.txt"
+        ;;
     gru | lstm | adagrad | transcribe | bench-train)
         part=${part#bench-}
         plot=()
@@ -70,7 +74,7 @@ for part in $parts; do
         rm -f "$out/bench-part.txt"
         ;;
     *)
-        echo "unknown part $part (tests, train, profile, sweep, suite, bench-train, gru, lstm, adagrad," \
+        echo "unknown part $part (tests, train, profile, sweep, split, suite, bench-train, gru, lstm, adagrad," \
             "transcribe)" >&2
         ;;
     esac

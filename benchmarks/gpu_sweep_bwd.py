@@ -4,7 +4,11 @@ graphs on, so the host's launches drop out) with each block pair and num_warps, 
 against the default blocks' (the same kernel math, so equal up to summation order).
 
     PYTHONPATH=src python3 benchmarks/gpu_sweep_bwd.py [--cell gru lstm] [--shape T100-B32-I512-H512]
-        [--dtype float32 bfloat16]
+        [--dtype float32 bfloat16] [--split]
+
+``--split`` instead times the split backward step (``BWD_SPLIT``: the gate gradients, then the product,
+two launches a step) against the fused one, with and without CUDA graphs, then sweeps the product's
+blocks (BLOCK_K x BLOCK_N, num_warps) with graphs.
 
 Prints one line per variant as it finishes (milliseconds per step, median of 20), the default first. The
 GRU's blocks of f296a74 came from this sweep (then named gpu_sweep_gru_bwd.py). A dry run on the CPU (the
@@ -79,6 +83,55 @@ def _sweep(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, bl
         module._step_meta = default_meta
 
 
+def _split(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, blocks, warps) -> None:
+    import tandem
+    from tandem.ops import _triton_rnn
+    from tandem.ops.gru import triton as gru_triton
+    from tandem.ops.lstm import triton as lstm_triton
+
+    module = gru_triton if cell == "gru" else lstm_triton
+    module.TIME_LOOP = "per-step"
+    torch.manual_seed(0)
+    layer = {"gru": tandem.nn.GRU, "lstm": tandem.nn.LSTM}[cell]
+    model = layer(shape["I"], shape["H"], device=device, dtype=dtype)
+    x = torch.randn(shape["T"], shape["B"], shape["I"], device=device, dtype=dtype, requires_grad=True)
+    name = str(dtype).removeprefix("torch.")
+    base = None
+    for graphs in [False, True] if device == "cuda" else [False]:
+        module.CUDA_GRAPHS = graphs
+        times = {}
+        for split in (False, True):
+            module.BWD_SPLIT = split
+            module.STEP_GRAPHS = module.StepGraphs()
+            times[split], grads = _step_time(model, x)
+            base = base if base is not None else grads
+            err = max(((g - b).norm() / b.norm()).item() for g, b in zip(grads, base))
+            label = f"{cell} {name} {'split' if split else 'fused'} graphs={graphs}"
+            print(f"{label}: {times[split]:.3f} ms, rel. diff {err:.1e}", flush=True)
+        print(f"{cell} {name} graphs={graphs}: split {times[False] / times[True]:.2f}x the fused", flush=True)
+    module.BWD_SPLIT = True
+    default = _triton_rnn.product_meta
+    try:
+        for block_k, block_n, num_warps in itertools.product(blocks + [128], blocks, warps):
+
+            def meta(*args, _k=block_k, _n=block_n, _w=num_warps, **kwargs):
+                return default(*args, **kwargs) | {"BLOCK_K": _k, "BLOCK_N": _n, "num_warps": _w}
+
+            module.product_meta = meta
+            module.STEP_GRAPHS = module.StepGraphs()
+            label = f"{cell} {name} split product K{block_k} N{block_n} w{num_warps}"
+            try:
+                ms, grads = _step_time(model, x)
+            except Exception as e:  # a build that fails (resources) is a result too
+                print(f"{label}: failed: {type(e).__name__}: {e}"[:200], flush=True)
+                continue
+            err = max(((g - b).norm() / b.norm()).item() for g, b in zip(grads, base))
+            print(f"{label}: {ms:.3f} ms ({times[True] / ms:.2f}x), rel. diff {err:.1e}", flush=True)
+    finally:
+        module.product_meta = default
+        module.BWD_SPLIT = False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cell", nargs="+", default=["gru", "lstm"], choices=["gru", "lstm"])
@@ -87,10 +140,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--split", action="store_true", help="the split backward step against the fused")
     args = parser.parse_args()
+    run = _split if args.split else _sweep
     for cell in args.cell:
         for name in args.dtype:
-            _sweep(cell, args.shape, getattr(torch, name), args.device, args.blocks, args.warps)
+            run(cell, args.shape, getattr(torch, name), args.device, args.blocks, args.warps)
 
 
 if __name__ == "__main__":
