@@ -176,3 +176,58 @@ def test_inference_mode_then_no_grad_then_training_match_torch(torch_cls, tandem
             expected.square().sum().backward()
             for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
                 torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def _pair(torch_cls, tandem_cls, dtype: torch.dtype, **kwargs):
+    ref = torch_cls(3, 4, num_layers=2, bidirectional=True, dtype=dtype, **kwargs)
+    ours = tandem_cls(3, 4, num_layers=2, bidirectional=True, dtype=dtype, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_complex_numbers_match_torch(torch_cls, tandem_cls):
+    """torch's layers take complex numbers on the CPU; so do tandem's, with the same gradients (the
+    kernels' hand-written backward is for real numbers: the layers run torch's formulas there)."""
+    torch.manual_seed(0)
+    ref, ours = _pair(torch_cls, tandem_cls, torch.complex128)
+    x = torch.randn(5, 2, 3, dtype=torch.complex128)
+    grads = []
+    for module in (ref, ours):
+        xx = x.clone().requires_grad_()
+        out, hidden = module(xx)
+        (out.abs().square().sum() + _states_sum(hidden).abs()).backward()
+        grads.append([out, xx.grad] + [p.grad for p in module.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_forward_mode_ad_and_torch_func_match_torch(torch_cls, tandem_cls):
+    """torch.func.jvp (once zeros, without a word), torch.autograd.forward_ad, torch.func.grad over
+    functional_call (once torch.func's error about setup_context): torch's numbers."""
+    torch.manual_seed(0)
+    ref, ours = _pair(torch_cls, tandem_cls, torch.float64)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    tangent = torch.randn_like(x)
+
+    def jvp(module):
+        return torch.func.jvp(lambda xx: module(xx)[0], (x,), (tangent,))[1]
+
+    def dual(module):
+        with torch.autograd.forward_ad.dual_level():
+            out = module(torch.autograd.forward_ad.make_dual(x, tangent))[0]
+            return torch.autograd.forward_ad.unpack_dual(out).tangent
+
+    def grad(module):
+        loss = lambda p: torch.func.functional_call(module, p, (x,))[0].square().sum()
+        return torch.func.grad(loss)(dict(module.named_parameters()))
+
+    expected = jvp(ref)
+    assert expected.abs().max() > 0.01  # not zeros
+    torch.testing.assert_close(jvp(ours), expected)
+    torch.testing.assert_close(dual(ours), dual(ref))
+    theirs, got = grad(ref), grad(ours)
+    assert list(got) == list(theirs)
+    for name in theirs:
+        torch.testing.assert_close(got[name], theirs[name], msg=name)

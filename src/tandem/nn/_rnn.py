@@ -7,11 +7,30 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.nn.utils.rnn import PackedSequence
 
 from tandem._backend import use_triton
 
-__all__ = ["Rows", "RNNLayers"]
+__all__ = ["Rows", "RNNLayers", "needs_formulas"]
+
+
+def _transformed() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap) is running."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and not torch.compiler.is_compiling() and peek() is not None
+
+
+def needs_formulas(batch: int, *tensors: Tensor | None) -> bool:
+    """Whether a layer runs as autograd-tracked PyTorch ops with torch's formulas (what
+    :mod:`tandem.ops._recompute` differentiates) instead of the kernels' custom ops, whose hand-written
+    backward serves reverse-mode autograd on real numbers only: an empty batch (``batch`` 0), complex
+    numbers, forward-mode AD (a tangent on any of ``tensors``) and torch.func's transforms. As torch's
+    own layers there, slower and with the same values."""
+    present = [t for t in tensors if t is not None]
+    if batch == 0 or any(t.is_complex() for t in present) or _transformed():
+        return True
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in present)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from tandem.nn._rnn import RNNLayers
+from tandem.nn._rnn import RNNLayers, needs_formulas
 from tandem.ops.gru import gru as gru_layer
 from tandem.ops.gru.reference import gru_layer_autograd
 
@@ -97,11 +97,11 @@ class GRU(RNNLayers):
 
         h_n = []
         layer_input = rows.data
-        # an empty batch (B = 0) runs autograd-tracked ops, as torch's does: the kernels take none
-        run_layer = gru_layer if rows.mini_batch else gru_layer_autograd
         for layer in range(self.num_layers):
             h0 = hx[layer * num_directions : (layer + 1) * num_directions]
             weights = self._layer_weights(layer, ("weight_ih", "weight_hh", "bias_ih", "bias_hh"), dtype)
+            formulas = needs_formulas(rows.mini_batch, layer_input, h0, *weights)
+            run_layer = gru_layer_autograd if formulas else gru_layer
             layer_input, h_last = run_layer(layer_input, rows.batch_sizes, h0, *weights)
             h_n.append(h_last)
             layer_input = self._dropout(layer_input, layer)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
-from tandem.nn._rnn import RNNLayers
+from tandem.nn._rnn import RNNLayers, needs_formulas
 from tandem.ops.lstm import lstm as lstm_layer
 from tandem.ops.lstm.onednn import lstm_layer_onednn, onednn_applies
 from tandem.ops.lstm.reference import lstm_layer_autograd
@@ -146,8 +146,6 @@ class LSTM(RNNLayers):
         onednn = (
             dtype is None and rows.mini_batch > 0 and onednn_applies(rows.data, rows.packed, self.proj_size)
         )
-        # an empty batch (B = 0) runs autograd-tracked ops, as torch's does: the kernels take none
-        run_layer = lstm_layer if rows.mini_batch else lstm_layer_autograd
         for layer in range(self.num_layers):
             span = slice(layer * num_directions, (layer + 1) * num_directions)
             if onednn:
@@ -156,6 +154,8 @@ class LSTM(RNNLayers):
                 )
             else:
                 weights = self._layer_weights(layer, names, dtype)
+                formulas = needs_formulas(rows.mini_batch, layer_input, hx[0][span], hx[1][span], *weights)
+                run_layer = lstm_layer_autograd if formulas else lstm_layer
                 layer_input, h_last, c_last = run_layer(
                     layer_input, rows.batch_sizes, hx[0][span], hx[1][span], *weights
                 )
