@@ -231,3 +231,23 @@ def test_forward_mode_ad_and_torch_func_match_torch(torch_cls, tandem_cls):
     assert list(got) == list(theirs)
     for name in theirs:
         torch.testing.assert_close(got[name], theirs[name], msg=name)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_output_changed_in_place_before_backward_as_torch(torch_cls, tandem_cls, bidirectional):
+    """torch's layers do not save their output for backward, so callers change it in place (``y += x``,
+    ``relu_``); tandem's once raised autograd's error about a modified saved tensor."""
+    kwargs = dict(num_layers=2, bidirectional=bidirectional, dtype=torch.float64)
+    ref, ours = torch_cls(3, 4, **kwargs), tandem_cls(3, 4, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    grads = []
+    for module in (ref, ours):
+        xx = x.clone().requires_grad_()
+        out, _ = module(xx)
+        out.mul_(2.0).relu_()
+        out.square().sum().backward()
+        grads.append([xx.grad] + [p.grad for p in module.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a)

@@ -99,13 +99,17 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(gates, hn, states)
     ctx.set_materialize_grads(False)
     ctx.has_bias = b_ih is not None
-    ctx.save_for_backward(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh, y, gates, hn, states)
+    # y only where it holds the states (one direction; tandem.ops.gru.gru hands the caller a copy), so
+    # that the caller may change its output in place before backward, as torch.nn.GRU's callers may
+    saved_y = y if h0.shape[0] == 1 else None
+    ctx.save_for_backward(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh, saved_y, gates, hn, states)
 
 
 def _backward(ctx, dy, dh_n, *_):
     x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh, y, gates, hn, states = ctx.saved_tensors
     if dy is None and dh_n is None:
         return (None,) * 7
+    y = states if y is None else y  # two directions: y is not read
     inputs = (x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
     if wants_graph(dy, dh_n, *inputs):
         # create_graph=True: a derivative of these gradients may follow (see tandem.ops._recompute)

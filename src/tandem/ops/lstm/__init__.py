@@ -55,6 +55,8 @@ def lstm(
     y, h_n, c_n, *_ = torch.ops.tandem.lstm_fwd(
         x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved
     )
+    if need_saved and h0.shape[0] == 1:
+        y = y.clone()  # one direction: the op saved y as the states; the caller may change this in place
     return y, h_n, c_n
 
 

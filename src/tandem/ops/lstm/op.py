@@ -151,13 +151,18 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(gates, cells, hr, states)
     ctx.set_materialize_grads(False)
     ctx.has_bias = b_ih is not None
-    ctx.save_for_backward(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, y, gates, cells, hr, states)
+    # y only where it holds the states (one direction; tandem.ops.lstm.lstm hands the caller a copy), so
+    # that the caller may change its output in place before backward, as torch.nn.LSTM's callers may
+    saved_y = y if h0.shape[0] == 1 else None
+    saved = (x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, saved_y, gates, cells, hr, states)
+    ctx.save_for_backward(*saved)
 
 
 def _backward(ctx, dy, dh_n, dc_n, *_):
     x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, y, gates, cells, hr, states = ctx.saved_tensors
     if dy is None and dh_n is None and dc_n is None:
         return (None,) * 10
+    y = states if y is None else y  # two directions: y is not read
     if not ctx.need_saved:
         raise RuntimeError("tandem::lstm_fwd: a gradient was asked for but the op ran with need_saved=False")
     inputs = (x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
