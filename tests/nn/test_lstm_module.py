@@ -222,3 +222,41 @@ def test_onednn_serves_exactly_where_torch_uses_it(case: str, monkeypatch):
     with torch.backends.mkldnn.flags(enabled=case != "mkldnn-disabled"):
         model(inp)
     assert (onednn.count, own.count) == ((2, 0) if case == "dense" else (0, 2))
+
+
+@pytest.mark.parametrize("form", ["tensor", "three", "one", "list", "packed-three", "unbatched-three"])
+def test_malformed_hx_is_refused_or_taken_as_torch(form):
+    """hx must be a pair: torch's lstm op refuses a tensor (TypeError) and three states (RuntimeError), a
+    single state fails at hx[1]; packed and unbatched input make a pair of hx first, in torch's forward
+    as in tandem's, so a third state is dropped there without a word."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(3, 4)
+    ours = tandem.nn.LSTM(3, 4)
+    ours.load_state_dict(ref.state_dict())
+    z = torch.randn(1, 2, 4)
+    x = torch.randn(5, 2, 3)
+    hx = {
+        "tensor": torch.randn(2, 1, 2, 4),
+        "three": (z, z, z),
+        "one": (z,),
+        "list": [z, z],
+        "packed-three": (z, z, z),
+        "unbatched-three": (z[:, 0], z[:, 0], z[:, 0]),
+    }[form]
+    if form == "packed-three":
+        x = pack_sequence([torch.randn(4, 3), torch.randn(2, 3)])
+    elif form == "unbatched-three":
+        x = x[:, 0]
+    outcomes = []
+    for module in (ref, ours):
+        try:
+            out = module(x, hx)[0]
+            outcomes.append(out.data if form == "packed-three" else out)
+        except Exception as e:
+            outcomes.append(type(e))
+    if isinstance(outcomes[0], torch.Tensor):
+        torch.testing.assert_close(outcomes[1], outcomes[0])
+    else:
+        assert outcomes[1] is outcomes[0]

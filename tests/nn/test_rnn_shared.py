@@ -251,3 +251,21 @@ def test_output_changed_in_place_before_backward_as_torch(torch_cls, tandem_cls,
         grads.append([xx.grad] + [p.grad for p in module.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize("dropout", [2.0, -0.5, 1.0000001])
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_dropout_set_out_of_range_after_construction_is_torchs_error(torch_cls, tandem_cls, dropout):
+    """torch's constructor checks dropout; its rnn op checks it again where it applies (training, between
+    layers), with a RuntimeError; in eval or with one layer it is not used and nothing is said."""
+    for layers, training in ((2, True), (2, False), (1, True)):
+        outcomes = []
+        for cls in (torch_cls, tandem_cls):
+            module = cls(3, 4, num_layers=layers).train(training)
+            module.dropout = dropout
+            try:
+                module(torch.randn(5, 2, 3))
+                outcomes.append(None)
+            except Exception as e:
+                outcomes.append((type(e), str(e)))
+        assert outcomes[1] == outcomes[0], (layers, training)

@@ -133,6 +133,9 @@ class RNNLayers(torch.nn.RNNBase):
                 )
 
     def _dropout(self, layer_output: Tensor, layer: int) -> Tensor:
+        if self.training and layer < self.num_layers - 1 and not 0.0 <= self.dropout <= 1.0:
+            # a dropout set after construction: torch's rnn op's check, its error and its number format
+            raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {self.dropout:g}")
         if self.dropout > 0 and self.training and layer < self.num_layers - 1:
             return torch.nn.functional.dropout(layer_output, self.dropout, training=True)
         return layer_output

@@ -132,6 +132,15 @@ class LSTM(RNNLayers):
             kwargs = dict(dtype=rows.data.dtype, device=rows.data.device)
             hx = (torch.zeros(*shape, out_size, **kwargs), torch.zeros(*shape, self.hidden_size, **kwargs))
         self.check_forward_args(rows.checked, hx, rows.batch_sizes if rows.packed else None)
+        # what torch's lstm op refuses once the checks above passed (packed and unbatched input have made a
+        # pair of hx by then, in torch's forward as here)
+        if isinstance(hx, Tensor):
+            raise TypeError(
+                "lstm() received an invalid combination of arguments - got a Tensor for hx, but expected a "
+                "tuple of Tensors (h_0, c_0)"
+            )
+        if len(hx) != 2:
+            raise RuntimeError("lstm expects two hidden states")
         self._check_devices_and_dtypes(rows.data, {"hx": hx[0], "cx": hx[1]})
         self._to_rows(rows)
         dtype = self._autocast_dtype(rows.data)
