@@ -41,6 +41,18 @@ def _step_time(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, list[tor
     return statistics.median(times), [x.grad.float()] + [p.grad.float() for p in model.parameters()]
 
 
+def _variant(label: str, module, model, x, base: list[torch.Tensor], reference_ms: float) -> None:
+    """Time one variant (the module's settings as patched), its gradients checked against ``base``."""
+    module.STEP_GRAPHS = module.StepGraphs()  # no graph recorded with other settings is replayed
+    try:
+        ms, grads = _step_time(model, x)
+    except Exception as e:  # a build that fails (resources) is a result too
+        print(f"{label}: failed: {type(e).__name__}: {e}"[:200], flush=True)
+        return
+    err = max(((g - b).norm() / b.norm()).item() for g, b in zip(grads, base))
+    print(f"{label}: {ms:.3f} ms ({reference_ms / ms:.2f}x), rel. diff {err:.1e}", flush=True)
+
+
 def _sweep(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, blocks, warps) -> None:
     import tandem
     from tandem.ops.gru import triton as gru_triton
@@ -70,15 +82,8 @@ def _sweep(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, bl
                 return out
 
             module._step_meta = meta
-            module.STEP_GRAPHS = module.StepGraphs()  # no graph recorded with other blocks is replayed
             label = f"{cell} {name} {inner[6:]}{block_in} {outer[6:]}{block_out} w{num_warps}"
-            try:
-                ms, grads = _step_time(model, x)
-            except Exception as e:  # a build that fails (resources) is a result too
-                print(f"{label}: failed: {type(e).__name__}: {e}"[:200], flush=True)
-                continue
-            err = max(((g - b).norm() / b.norm()).item() for g, b in zip(grads, base))
-            print(f"{label}: {ms:.3f} ms ({base_ms / ms:.2f}x), rel. diff {err:.1e}", flush=True)
+            _variant(label, module, model, x, base, base_ms)
     finally:
         module._step_meta = default_meta
 
@@ -118,15 +123,8 @@ def _split(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, bl
                 return default(*args, **kwargs) | {"BLOCK_K": _k, "BLOCK_N": _n, "num_warps": _w}
 
             module.product_meta = meta
-            module.STEP_GRAPHS = module.StepGraphs()
             label = f"{cell} {name} split product K{block_k} N{block_n} w{num_warps}"
-            try:
-                ms, grads = _step_time(model, x)
-            except Exception as e:  # a build that fails (resources) is a result too
-                print(f"{label}: failed: {type(e).__name__}: {e}"[:200], flush=True)
-                continue
-            err = max(((g - b).norm() / b.norm()).item() for g, b in zip(grads, base))
-            print(f"{label}: {ms:.3f} ms ({times[True] / ms:.2f}x), rel. diff {err:.1e}", flush=True)
+            _variant(label, module, model, x, base, times[True])
     finally:
         module.product_meta = default
         module.BWD_SPLIT = False

@@ -188,6 +188,33 @@ def _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn):
     return b_dn_h * b_hn * (1.0 - b_r), b_dz, b_dn, b_dn_h
 
 
+@triton.jit
+def _tile_gate_grads(
+    p_dhin, p_dy, p_gates, p_hn, p_states, p_dgates, p_dn_in, o_carry, o_row, o_row3, m, store,
+    H: tl.constexpr, COMPUTE: tl.constexpr,
+):  # fmt: skip
+    """A tile of the per-step backward's elementwise half (the fused and the split kernels): loads what
+    :func:`_gate_grads` takes (offsets with the tile's columns; ``o_row3`` into the [D, P, 3H] buffers),
+    stores the gate gradients if ``store``, and returns ``(dr, dz, dn * r)`` rounded as stored (what the
+    product reads, like the reference), dL/dh and z."""
+    dt = p_gates.dtype.element_ty
+    b_dh = tl.load(p_dhin + o_carry, mask=m, other=0.0).to(COMPUTE)
+    b_dh += tl.load(p_dy + o_row, mask=m, other=0.0).to(COMPUTE)
+    b_r = tl.load(p_gates + o_row3, mask=m, other=0.0).to(COMPUTE)
+    b_z = tl.load(p_gates + o_row3 + H, mask=m, other=0.0).to(COMPUTE)
+    b_n = tl.load(p_gates + o_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
+    b_h = tl.load(p_states + o_row, mask=m, other=0.0).to(COMPUTE)
+    b_hn = tl.load(p_hn + o_row, mask=m, other=0.0).to(COMPUTE)
+    b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn)
+    b_dr, b_dz, b_dn_h = b_dr.to(dt), b_dz.to(dt), b_dn_h.to(dt)
+    if store:
+        tl.store(p_dgates + o_row3, b_dr, mask=m)
+        tl.store(p_dgates + o_row3 + H, b_dz, mask=m)
+        tl.store(p_dgates + o_row3 + 2 * H, b_dn_h, mask=m)
+        tl.store(p_dn_in + o_row, b_dn.to(dt), mask=m)
+    return b_dr, b_dz, b_dn_h, b_dh, b_z
+
+
 @triton.jit(do_not_specialize=["row0", "n_rows", "batch", "total"])
 def _gru_bwd_step(
     p_dhin,  # [D, B, H] fp32: dL/dh of this step's states, except the output's part
@@ -217,7 +244,6 @@ def _gru_bwd_step(
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_b = o_b < n_rows
     m_k = o_k < H
-    dt = p_gates.dtype.element_ty
     o_carry = i_d * batch * H + o_b[:, None] * H  # + column
     o_row = i_d * total * H + (row0 + o_b).to(tl.int64)[:, None] * H  # + column, [D, P, H] buffers
     o_row3 = i_d * total * 3 * H + (row0 + o_b).to(tl.int64)[:, None] * (3 * H)  # + column, [D, P, 3H] ones
@@ -227,21 +253,11 @@ def _gru_bwd_step(
         o_j = j0 + tl.arange(0, BLOCK_J)
         m_j = o_j < H
         m = m_b[:, None] & m_j[None, :]
-        b_dh = tl.load(p_dhin + o_carry + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_dh += tl.load(p_dy + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_r = tl.load(p_gates + o_row3 + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_z = tl.load(p_gates + o_row3 + H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_n = tl.load(p_gates + o_row3 + 2 * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_h = tl.load(p_states + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_hn = tl.load(p_hn + o_row + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn)
-        # the matmul reads the gate gradients rounded as the saved ones, like the reference
-        b_dr, b_dz, b_dn_h = b_dr.to(dt), b_dz.to(dt), b_dn_h.to(dt)
-        if i_k == 0:
-            tl.store(p_dgates + o_row3 + o_j[None, :], b_dr, mask=m)
-            tl.store(p_dgates + o_row3 + H + o_j[None, :], b_dz, mask=m)
-            tl.store(p_dgates + o_row3 + 2 * H + o_j[None, :], b_dn_h, mask=m)
-            tl.store(p_dn_in + o_row + o_j[None, :], b_dn.to(dt), mask=m)
+        # the k = 0 programs store the gate gradients for the matmuls after the loop
+        b_dr, b_dz, b_dn_h, _, _ = _tile_gate_grads(
+            p_dhin, p_dy, p_gates, p_hn, p_states, p_dgates, p_dn_in, o_carry + o_j[None, :],
+            o_row + o_j[None, :], o_row3 + o_j[None, :], m, i_k == 0, H, COMPUTE,
+        )  # fmt: skip
         m_w = m_j[:, None] & m_k[None, :]
         b_acc = dot(b_dr, tl.load(p_w_k + o_j[:, None] * H, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
         b_acc = dot(b_dz, tl.load(p_w_k + (H + o_j)[:, None] * H, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
@@ -285,19 +301,9 @@ def _gru_bwd_gates(
     o_carry = i_d * batch * H + o_b[:, None] * H + o_j[None, :]
     o_row = i_d * total * H + (row0 + o_b).to(tl.int64)[:, None] * H + o_j[None, :]
     o_row3 = i_d * total * 3 * H + (row0 + o_b).to(tl.int64)[:, None] * (3 * H) + o_j[None, :]
-    dt = p_gates.dtype.element_ty
-    b_dh = tl.load(p_dhin + o_carry, mask=m, other=0.0).to(COMPUTE)
-    b_dh += tl.load(p_dy + o_row, mask=m, other=0.0).to(COMPUTE)
-    b_r = tl.load(p_gates + o_row3, mask=m, other=0.0).to(COMPUTE)
-    b_z = tl.load(p_gates + o_row3 + H, mask=m, other=0.0).to(COMPUTE)
-    b_n = tl.load(p_gates + o_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
-    b_h = tl.load(p_states + o_row, mask=m, other=0.0).to(COMPUTE)
-    b_hn = tl.load(p_hn + o_row, mask=m, other=0.0).to(COMPUTE)
-    b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn)
-    tl.store(p_dgates + o_row3, b_dr.to(dt), mask=m)
-    tl.store(p_dgates + o_row3 + H, b_dz.to(dt), mask=m)
-    tl.store(p_dgates + o_row3 + 2 * H, b_dn_h.to(dt), mask=m)
-    tl.store(p_dn_in + o_row, b_dn.to(dt), mask=m)
+    _, _, _, b_dh, b_z = _tile_gate_grads(
+        p_dhin, p_dy, p_gates, p_hn, p_states, p_dgates, p_dn_in, o_carry, o_row, o_row3, m, True, H, COMPUTE
+    )
     tl.store(p_dhout + o_carry, (b_dh * b_z).to(p_dhout.dtype.element_ty), mask=m)
 
 

@@ -228,6 +228,43 @@ def _gate_grads(b_i, b_f, b_sg, b_o, b_c, b_cp, b_dh, b_dc):
     return b_dzi, b_dzf, b_dzg, b_dzo, b_dc
 
 
+@triton.jit
+def _tile_gate_grads(
+    p_gates, p_cells, p_cprev, p_dh, p_dhin, p_dcin, p_dz, p_dcout, r_row, r_prev, r_dh, r_carry, o_j, m,
+    store, H, R, HAS_DH: tl.constexpr, HAS_DHIN: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """A tile (rows ``r_*``, columns ``o_j``) of the per-step backward's elementwise half (the fused and the
+    split kernels): loads what :func:`_gate_grads` takes, stores dz and dc_prev = dc * f if ``store``, and
+    returns dz's four gates rounded to its dtype (half inputs: what the MMA and the post-loop matmuls
+    read)."""
+    DTYPE = p_dz.dtype.element_ty
+    p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
+    b_i = tl.load(p_g, mask=m, other=0.0).to(COMPUTE)
+    b_f = tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE)
+    b_sg = tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)
+    b_o = tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE)
+    b_c = tl.load(p_cells + r_row[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_cp = tl.load(p_cprev + r_prev[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_dh = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
+    if HAS_DH:
+        b_dh += tl.load(p_dh + r_dh[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    if HAS_DHIN:
+        b_dh += tl.load(p_dhin + r_carry[:, None] * R + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_dc = tl.load(p_dcin + r_carry[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
+    b_dzi, b_dzf, b_dzg, b_dzo, b_dc = _gate_grads(b_i, b_f, b_sg, b_o, b_c, b_cp, b_dh, b_dc)
+    b_dzi, b_dzf, b_dzg, b_dzo = b_dzi.to(DTYPE), b_dzf.to(DTYPE), b_dzg.to(DTYPE), b_dzo.to(DTYPE)
+    if store:
+        p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
+        tl.store(p_z, b_dzi, mask=m)
+        tl.store(p_z + H, b_dzf, mask=m)
+        tl.store(p_z + 2 * H, b_dzg, mask=m)
+        tl.store(p_z + 3 * H, b_dzo, mask=m)
+        p_dc = p_dcout + r_carry[:, None] * H + o_j[None, :]
+        tl.store(p_dc, (b_dc * b_f).to(p_dcout.dtype.element_ty), mask=m)
+    return b_dzi, b_dzf, b_dzg, b_dzo
+
+
 @triton.jit(do_not_specialize=["o_row", "o_prev", "s_prev_d", "o_dh", "s_dh_d", "n", "P", "B"])
 def _lstm_bwd_kernel(
     p_gates,  # [D, P, 4H] saved (i, f, sigmoid(2 a_g), o)
@@ -269,45 +306,22 @@ def _lstm_bwd_kernel(
     r_prev = (i_d * s_prev_d + o_prev + o_b).to(tl.int64)
     r_dh = (i_d * s_dh_d + o_dh + o_b).to(tl.int64)
     r_carry = (i_d * B + o_b).to(tl.int64)
-    DTYPE = p_dz.dtype.element_ty
-
     b_acc = tl.zeros([BLOCK_B, BLOCK_R], dtype=COMPUTE)  # dh_prev of the r-block
     for j0 in range(0, H, BLOCK_H):
         o_j = j0 + tl.arange(0, BLOCK_H)
         m_j = o_j < H
         m = m_b[:, None] & m_j[None, :]
-        p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
-        b_i = tl.load(p_g, mask=m, other=0.0).to(COMPUTE)
-        b_f = tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE)
-        b_sg = tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)
-        b_o = tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE)
-        b_c = tl.load(p_cells + r_row[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_cp = tl.load(p_cprev + r_prev[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_dh = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
-        if HAS_DH:
-            b_dh += tl.load(p_dh + r_dh[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        if HAS_DHIN:
-            b_dh += tl.load(p_dhin + r_carry[:, None] * R + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_dc = tl.load(p_dcin + r_carry[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-        b_dzi, b_dzf, b_dzg, b_dzo, b_dc = _gate_grads(b_i, b_f, b_sg, b_o, b_c, b_cp, b_dh, b_dc)
-        # Half inputs: dz rounds to the input dtype (what the post-loop matmuls read too) for the MMA.
-        b_dzi, b_dzf, b_dzg, b_dzo = b_dzi.to(DTYPE), b_dzf.to(DTYPE), b_dzg.to(DTYPE), b_dzo.to(DTYPE)
-
+        # one program per row block (r-block 0) stores the elementwise outputs
+        b_dzi, b_dzf, b_dzg, b_dzo = _tile_gate_grads(
+            p_gates, p_cells, p_cprev, p_dh, p_dhin, p_dcin, p_dz, p_dcout, r_row, r_prev, r_dh, r_carry, o_j,
+            m, i_r == 0, H, R, HAS_DH, HAS_DHIN, COMPUTE, BLOCK_B, BLOCK_H,
+        )  # fmt: skip
         p_w_j = p_w + (i_d * 4 * H + o_j).to(tl.int64)[:, None] * R + o_r[None, :]  # [BLOCK_H, BLOCK_R]
         m_w = m_j[:, None] & m_r[None, :]
         b_acc = dot(b_dzi, tl.load(p_w_j, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
         b_acc = dot(b_dzf, tl.load(p_w_j + H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
         b_acc = dot(b_dzg, tl.load(p_w_j + 2 * H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
         b_acc = dot(b_dzo, tl.load(p_w_j + 3 * H * R, mask=m_w, other=0.0), b_acc, UPCAST, TF32)
-
-        if i_r == 0:  # one program per row block owns the elementwise outputs
-            p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
-            tl.store(p_z, b_dzi, mask=m)
-            tl.store(p_z + H, b_dzf, mask=m)
-            tl.store(p_z + 2 * H, b_dzg, mask=m)
-            tl.store(p_z + 3 * H, b_dzo, mask=m)
-            p_dc = p_dcout + r_carry[:, None] * H + o_j[None, :]
-            tl.store(p_dc, (b_dc * b_f).to(p_dcout.dtype.element_ty), mask=m)
 
     p_dho = p_dhout + r_carry[:, None] * R + o_r[None, :]
     tl.store(p_dho, b_acc.to(p_dhout.dtype.element_ty), mask=m_b[:, None] & m_r[None, :])
@@ -350,27 +364,10 @@ def _lstm_bwd_gates(
     r_prev = (i_d * s_prev_d + o_prev + o_b).to(tl.int64)
     r_dh = (i_d * s_dh_d + o_dh + o_b).to(tl.int64)
     r_carry = (i_d * B + o_b).to(tl.int64)
-    DTYPE = p_dz.dtype.element_ty
-    p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
-    b_i = tl.load(p_g, mask=m, other=0.0).to(COMPUTE)
-    b_f = tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE)
-    b_sg = tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)
-    b_o = tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE)
-    b_c = tl.load(p_cells + r_row[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-    b_cp = tl.load(p_cprev + r_prev[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-    b_dh = tl.zeros([BLOCK_B, BLOCK_H], dtype=COMPUTE)
-    if HAS_DH:
-        b_dh += tl.load(p_dh + r_dh[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-    if HAS_DHIN:
-        b_dh += tl.load(p_dhin + r_carry[:, None] * R + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-    b_dc = tl.load(p_dcin + r_carry[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-    b_dzi, b_dzf, b_dzg, b_dzo, b_dc = _gate_grads(b_i, b_f, b_sg, b_o, b_c, b_cp, b_dh, b_dc)
-    p_z = p_dz + r_row[:, None] * (4 * H) + o_j[None, :]
-    tl.store(p_z, b_dzi.to(DTYPE), mask=m)
-    tl.store(p_z + H, b_dzf.to(DTYPE), mask=m)
-    tl.store(p_z + 2 * H, b_dzg.to(DTYPE), mask=m)
-    tl.store(p_z + 3 * H, b_dzo.to(DTYPE), mask=m)
-    tl.store(p_dcout + r_carry[:, None] * H + o_j[None, :], (b_dc * b_f).to(p_dcout.dtype.element_ty), mask=m)
+    _tile_gate_grads(
+        p_gates, p_cells, p_cprev, p_dh, p_dhin, p_dcin, p_dz, p_dcout, r_row, r_prev, r_dh, r_carry, o_j, m,
+        True, H, R, HAS_DH, HAS_DHIN, COMPUTE, BLOCK_B, BLOCK_H,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["n_steps", "B", "P"])
