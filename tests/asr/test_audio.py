@@ -115,6 +115,31 @@ def test_bad_files_raise_audio_errors_naming_the_file(tmp_path, kind, make, expe
     assert isinstance(info.value, ValueError)
 
 
+def test_reads_named_pipes_and_names_that_are_not_utf8(tmp_path):
+    """A FIFO (what <(cmd) and /dev/stdin are) is read to its end; a file whose name is not UTF-8 (libsndfile
+    takes UTF-8 paths only) is opened by tandem and read."""
+    import os
+    import threading
+
+    data = _noise(800, 1)
+    wav = io.BytesIO()
+    sf.write(wav, data, 8000, format="WAV", subtype="PCM_16")
+    odd = os.fsencode(tmp_path) + b"/bad\xff.wav"
+    with open(odd, "wb") as f:
+        f.write(wav.getvalue())
+    waveform, rate = read_audio(os.fsdecode(odd))
+    assert rate == 8000 and waveform.shape == (1, 800)
+    fifo = tmp_path / "pipe.wav"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(wav.getvalue()))
+    writer.start()
+    try:
+        piped, _ = read_audio(fifo)
+    finally:
+        writer.join(timeout=10)
+    assert torch.equal(piped, waveform)
+
+
 def test_the_silence_rule_is_one_16_bit_step(tmp_path):
     """Every sample at most 2^-15 in magnitude is silence; two steps is a (very quiet) recording."""
     assert SILENCE_PEAK == 2.0**-15
@@ -162,5 +187,51 @@ def test_to_model_input_errors_name_the_argument():
             to_model_input(x, rate, 8000)
     with pytest.raises(AudioError, match=r"^waveform: empty recording"):
         to_model_input(torch.zeros(2, 0), 8000, 8000)
-    with pytest.raises(AudioError, match=r"^waveform: silent recording"):
-        to_model_input(torch.stack([x[0], -x[0]]), 8000, 8000)  # channels that cancel: silence in mono
+    with pytest.raises(AudioError, match=r"^waveform: its 2 channels cancel out when mixed to mono"):
+        to_model_input(torch.stack([x[0], -x[0]]), 8000, 8000)  # loud channels, silence in mono
+    with pytest.raises(ValueError, match=r"^waveform: expected at least one channel, got shape \[0, 100\]"):
+        to_model_input(np.zeros((0, 100), np.float32), 8000, 8000)
+    for rate in (float("nan"), float("inf"), "8000", None):
+        with pytest.raises(ValueError, match="expected a positive integer sample_rate"):
+            to_model_input(x, rate, 8000)
+    with pytest.raises(AudioError, match=r"^waveform: sample rate 1000003 Hz is above the highest taken"):
+        to_model_input(x, 1_000_003, 8000)
+
+
+def test_to_model_input_takes_reversed_views_and_any_level():
+    """A numpy view with negative strides is copied, not refused; float samples far above full scale
+    (1e20: float32's power spectrum would overflow) come out as finite as the same clip at unit level."""
+    clip = np.random.default_rng(0).uniform(-0.5, 0.5, 4000)
+    backwards = clip[::-1]
+    got = to_model_input(backwards, 8000, 8000).numpy()
+    np.testing.assert_array_equal(got, backwards.astype(np.float32))
+    loud = to_model_input(clip * 1e20, 16000, 8000)
+    unit = to_model_input(clip / np.abs(clip).max(), 16000, 8000)
+    torch.testing.assert_close(loud, unit)
+
+
+@pytest.mark.parametrize(("orig", "new"), [(441, 80), (80, 441), (3, 2), (7, 160), (160, 80)])
+def test_resampling_output_by_output_is_the_polyphase_table(monkeypatch, orig, new):
+    """Rates whose reduced ratio would make a table of gigabytes (8001 Hz to 8000 Hz) take the filter
+    output by output instead: the same numbers as the table where both apply."""
+    from tandem.asr import features
+
+    x = torch.randn(2, 3000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    table = features.resample(x, orig, new)
+    monkeypatch.setattr(features, "_TABLE_ENTRIES", 0)
+    torch.testing.assert_close(features.resample(x, orig, new), table, rtol=0, atol=1e-12)
+
+
+def test_coprime_rates_resample_in_bounded_memory():
+    """8001 Hz and 44101 Hz to 8000 Hz (coprime: a table of 8000 phases of 8035 taps, 0.5 GB, and more):
+    against scipy's polyphase resampler, inside the pass band and away from the edges."""
+    from tandem.asr import features
+
+    cached = features._sinc_kernel.cache_info().currsize
+    for rate in (8001, 44101):
+        x = _tones(rate, rate // 2, (300.0, 1200.0, 2500.0))
+        out = features.resample(torch.from_numpy(x), rate, 8000).numpy()
+        theirs = scipy_signal.resample_poly(x, 8000, rate)
+        inner = slice(len(out) // 8, -len(out) // 8)
+        np.testing.assert_allclose(out[inner], theirs[inner], rtol=0, atol=5e-3)
+    assert features._sinc_kernel.cache_info().currsize == cached  # no table was built, none kept

@@ -198,6 +198,46 @@ def test_transcribe_files_in_order_with_errors_in_place(tmp_path, checkpoint):
         assert all(r.seconds > 0 for r in results if r.error is None)
 
 
+def test_a_file_that_fails_otherwise_is_its_own_error(tmp_path, checkpoint, monkeypatch):
+    """More channels than an array may have (a file carries its layout), and a failure that is no
+    AudioError (here a resampler out of memory): that file's error, the others transcribed."""
+    from tandem.asr import audio as audio_module
+
+    clip = list(_utterances())[0].numpy()
+    rec = Recognizer.from_checkpoint(checkpoint)
+    many = _write(tmp_path / "ch65.wav", np.repeat(clip[:, None], 65, axis=1), 8000, "FLOAT")
+    odd = _write(tmp_path / "odd.wav", scipy_signal.resample_poly(clip, 2, 1), 16000, "FLOAT")
+    plain = _write(tmp_path / "plain.wav", clip, 8000, "FLOAT")
+    results = rec.transcribe_files([many, plain])
+    assert [r.text for r in results] == [rec.transcribe(clip, 8000)] * 2
+
+    expected = rec.transcribe(clip, 8000)
+    resample = audio_module.resample
+
+    def out_of_memory(waveform, orig_freq, new_freq, **kwargs):
+        if orig_freq == 16000:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 GB")
+        return resample(waveform, orig_freq, new_freq, **kwargs)
+
+    monkeypatch.setattr(audio_module, "resample", out_of_memory)
+    results = rec.transcribe_files([plain, odd, plain])
+    assert [r.text for r in results] == [expected, None, expected]
+    assert results[1].error.startswith(f"{odd}: cannot transcribe (RuntimeError: DefaultCPUAllocator")
+
+
+def test_arguments_taken_as_a_python_user_passes_them(tmp_path, checkpoint):
+    """One path where a list belongs is refused (it would be read character by character); a rate of any
+    numeric kind serves every waveform of a batch."""
+    clip = list(_utterances())[0].numpy()
+    rec = Recognizer.from_checkpoint(checkpoint)
+    path = str(_write(tmp_path / "a.wav", clip, 8000, "FLOAT"))
+    with pytest.raises(TypeError, match="files: expected a sequence of paths.*got str"):
+        rec.transcribe_files(path)
+    expected = rec.transcribe_batch([clip, clip], 8000)
+    for rate in (np.int64(8000), 8000.0, torch.tensor(8000)):
+        assert rec.transcribe_batch([clip, clip], rate) == expected
+
+
 def _classify_checkpoint(path):
     """What ``tandem train --task classify`` writes (src/tandem/cli/_train_worker.py)."""
     model = torch.nn.Linear(12, 9)

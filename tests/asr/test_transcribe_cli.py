@@ -235,3 +235,19 @@ def test_usage_errors(setup, capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "transcribe" in capsys.readouterr().out
+
+
+def test_ctrl_c_is_one_line_and_status_130(setup, capsys, monkeypatch):
+    """Interrupted after the first file: its line stands, then one line on stderr (no traceback), and the
+    shell's status for SIGINT."""
+    root, files, texts = setup
+    real = Recognizer.iter_transcribe_files
+
+    def interrupted(self, sources, batch_size=16):
+        iterator = real(self, sources, batch_size)
+        yield next(iterator)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Recognizer, "iter_transcribe_files", interrupted)
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "--batch-size", "1", *files)
+    assert (code, out, err) == (130, [f"{files[0]}\t{texts[0]}"], ["tandem transcribe: interrupted"])

@@ -24,6 +24,7 @@ __all__ = [
     "AudioError",
     "AudioSource",
     "MAX_CHANNELS",
+    "MAX_SAMPLE_RATE",
     "SILENCE_PEAK",
     "read_audio",
     "source_name",
@@ -35,7 +36,14 @@ __all__ = [
 # full scale, and the model would transcribe noise, so it is refused instead.
 SILENCE_PEAK = 2.0**-15
 # More "channels" than this is a [samples, channels] array (soundfile.read's layout) passed untransposed.
+# Files carry their layout, so they may have more.
 MAX_CHANNELS = 64
+# The highest sample rate taken (768 kHz, the top rate of audio converters): a higher one is a broken
+# header or a wrong argument, and resampling from it would take gigabytes.
+MAX_SAMPLE_RATE = 768_000
+# Float samples above this are scaled down by their peak before the features (whose per-utterance
+# normalisation removes the level anyway): squared in float32, they would overflow to inf and NaN.
+LOUDEST = 1e15
 
 AudioSource = Union[str, "os.PathLike[str]", BinaryIO]
 
@@ -76,33 +84,44 @@ def read_audio(source: AudioSource, *, name: str | None = None) -> tuple[Tensor,
         >>> waveform.shape, rate
         (torch.Size([2, 35280]), 44100)
     """
-    import soundfile  # a runtime dependency, imported here so training never loads libsndfile
-
     label = name if name is not None else source_name(source)
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.exists():
-            raise AudioError(f"{label}: no such file")
-        if not path.is_file():
-            raise AudioError(f"{label}: not a file")
-        target: str | BinaryIO = os.fspath(path)
-    else:
-        # libsndfile seeks: read streams (pipes cannot seek) to their end first
-        data = source.read()
-        if not data:
-            raise AudioError(f"{label}: empty input (0 bytes)")
-        target = io.BytesIO(data)
     try:
-        # [samples, channels] float32
-        samples, rate = soundfile.read(target, dtype="float32", always_2d=True)
-    except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
-        reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
-        raise AudioError(f"{label}: not a readable audio file ({reason})") from None
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            if not path.exists():
+                raise AudioError(f"{label}: no such file")
+            if path.is_dir():
+                raise AudioError(f"{label}: not a file (a directory)")
+            # opened here, so that any name the system takes works (libsndfile wants UTF-8 paths); a
+            # named pipe (<(cmd), /dev/stdin) is read to its end, as it cannot seek
+            with open(path, "rb") as f:
+                samples, rate = _decode(f if path.is_file() else _whole(f, label), label)
+        else:
+            samples, rate = _decode(_whole(source, label), label)
     except OSError as e:
         raise AudioError(f"{label}: cannot read ({e.strerror or e})") from None
     waveform = torch.from_numpy(np.ascontiguousarray(samples.T))  # [channels, samples]
     _check_samples(waveform, label)
     return waveform, int(rate)
+
+
+def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
+    """A stream read to its end (libsndfile seeks; pipes cannot)."""
+    data = stream.read()
+    if not data:
+        raise AudioError(f"{label}: empty input (0 bytes)")
+    return io.BytesIO(data)
+
+
+def _decode(f: BinaryIO, label: str) -> tuple[np.ndarray, int]:
+    """``[samples, channels]`` float32 and the rate, by libsndfile; :class:`AudioError` if it cannot."""
+    import soundfile  # a runtime dependency, imported here so training never loads libsndfile
+
+    try:
+        return soundfile.read(f, dtype="float32", always_2d=True)
+    except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
+        reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
+        raise AudioError(f"{label}: not a readable audio file ({reason})") from None
 
 
 def _check_samples(waveform: Tensor, label: str) -> None:
@@ -119,7 +138,12 @@ def _check_samples(waveform: Tensor, label: str) -> None:
 
 
 def to_model_input(
-    waveform: Tensor | np.ndarray, sample_rate: int, target_rate: int, *, name: str = "waveform"
+    waveform: Tensor | np.ndarray,
+    sample_rate: int,
+    target_rate: int,
+    *,
+    name: str = "waveform",
+    layout_checked: bool = False,
 ) -> Tensor:
     """A recording as the model's input: channels averaged to mono, resampled to ``target_rate``.
 
@@ -132,12 +156,15 @@ def to_model_input(
         sample_rate: the waveform's rate in Hz.
         target_rate: the model's rate in Hz (a checkpoint's ``FeatureConfig.sample_rate``).
         name: what error messages call the waveform.
+        layout_checked: the waveform is ``[channels, samples]`` for sure (read from a file), so more than
+            :data:`MAX_CHANNELS` channels is no sign of a transposed array.
 
     Returns:
         ``[samples']`` float32, ``samples' = ceil(samples * target_rate / sample_rate)``.
 
     Raises:
-        AudioError: empty, non-finite or silent (see :data:`SILENCE_PEAK`) after mixing to mono.
+        AudioError: empty, non-finite or silent (see :data:`SILENCE_PEAK`) after mixing to mono, or a
+            rate above :data:`MAX_SAMPLE_RATE`.
         ValueError: a bad shape or rate, naming the argument.
 
     Example::
@@ -145,19 +172,48 @@ def to_model_input(
         >>> to_model_input(torch.randn(2, 44100), 44100, 8000).shape
         torch.Size([8000])
     """
-    if isinstance(sample_rate, bool) or int(sample_rate) != sample_rate or sample_rate <= 0:
+    if not _positive_integer(sample_rate):
         raise ValueError(f"{name}: expected a positive integer sample_rate in Hz, got {sample_rate!r}")
+    if float(sample_rate) > MAX_SAMPLE_RATE:
+        raise AudioError(
+            f"{name}: sample rate {int(sample_rate)} Hz is above the highest taken, {MAX_SAMPLE_RATE} Hz"
+        )
+    if isinstance(waveform, np.ndarray):
+        waveform = np.ascontiguousarray(waveform)  # a reversed view (negative strides) too
     x = torch.as_tensor(waveform)
     if x.dim() not in (1, 2):
         raise ValueError(f"{name}: expected [samples] or [channels, samples], got shape {list(x.shape)}")
-    if x.dim() == 2 and x.shape[0] > MAX_CHANNELS:
+    if x.dim() == 2 and x.shape[0] == 0:
+        raise ValueError(f"{name}: expected at least one channel, got shape {list(x.shape)}")
+    if x.dim() == 2 and x.shape[0] > MAX_CHANNELS and not layout_checked:
         raise ValueError(
             f"{name}: expected [channels, samples] with at most {MAX_CHANNELS} channels, got shape "
             f"{list(x.shape)} (soundfile.read gives [samples, channels]: pass its transpose)"
         )
     if x.is_complex() or x.dtype == torch.bool:
         raise ValueError(f"{name}: expected real samples, got dtype {x.dtype}")
-    x = x.to(torch.float32)
+    x = x.detach().to(torch.float32)
     mono = x.mean(0) if x.dim() == 2 else x  # [samples]
+    if x.dim() == 2 and x.shape[0] > 1 and x.shape[-1] and float(mono.abs().max()) <= SILENCE_PEAK:
+        loudest = float(x.abs().max())
+        if loudest > SILENCE_PEAK:  # (a NaN does not compare: _check_samples names it)
+            raise AudioError(
+                f"{name}: its {x.shape[0]} channels cancel out when mixed to mono (the loudest channel's "
+                f"peak is {loudest:.3g}, the mix's {float(mono.abs().max()):.3g}); pass one channel"
+            )
     _check_samples(mono, name)
+    peak = float(mono.abs().max())
+    if peak > LOUDEST:
+        mono = mono / peak  # float32's power spectrum would overflow; the features do not see the level
     return resample(mono, int(sample_rate), int(target_rate)).contiguous()
+
+
+def _positive_integer(value: object) -> bool:
+    """A whole number above 0 of any numeric kind (int, float, numpy, a 0-d tensor); no bool or text."""
+    if isinstance(value, (bool, str, bytes)):
+        return False
+    try:
+        as_float = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(as_float) and as_float > 0 and as_float == int(as_float)

@@ -136,17 +136,52 @@ class LogMel(torch.nn.Module):
         return centred / (std + 1e-5), frames
 
 
+# The polyphase table (``new`` phases of ``orig + 2 * width`` taps, float64) is kept up to this many
+# entries (8 MB: every common rate pair is far below); rates whose reduced ratio is larger (8001 Hz,
+# 11127 Hz) are interpolated output by output instead, with the same filter.
+_TABLE_ENTRIES = 2**20
+
+
+def _width(orig: int, new: int, zeros: int, rolloff: float) -> tuple[float, int]:
+    """The filter's cut-off (in units where the lower rate's sample period is 1 / min(orig, new)) and its
+    half width in input samples."""
+    cutoff = rolloff * min(orig, new)
+    return cutoff, math.ceil(zeros * orig / cutoff)
+
+
+def _sinc(t: Tensor, zeros: int, cutoff: float, orig: int) -> Tensor:
+    """The Hann-windowed sinc at ``t`` (distances in units of the cut-off), scaled for ``orig``."""
+    window = torch.where(t.abs() <= zeros, torch.cos(t * math.pi / zeros / 2) ** 2, 0.0)
+    kernel = torch.where(t == 0, 1.0, torch.sin(math.pi * t) / (math.pi * t).where(t != 0, 1.0))
+    return kernel * window * (cutoff / orig)
+
+
 @lru_cache(maxsize=16)
 def _sinc_kernel(orig: int, new: int, zeros: int, rolloff: float) -> tuple[Tensor, int]:
     """Polyphase filter ``[new, taps]`` (float64) of a Hann-windowed sinc low-pass and its half width."""
-    cutoff = rolloff * min(orig, new)  # in units where the sample period of the lower rate is 1 / min
-    width = math.ceil(zeros * orig / cutoff)
+    cutoff, width = _width(orig, new, zeros, rolloff)
     idx = torch.arange(-width, width + orig, dtype=torch.float64)[None, :] / orig  # [1, taps], input time
     t = idx - torch.arange(new, dtype=torch.float64)[:, None] / new  # [new, taps]: distance to output n
-    t = t * cutoff
-    window = torch.where(t.abs() <= zeros, torch.cos(t * math.pi / zeros / 2) ** 2, 0.0)
-    kernel = torch.where(t == 0, 1.0, torch.sin(math.pi * t) / (math.pi * t).where(t != 0, 1.0))
-    return kernel * window * (cutoff / orig), width
+    return _sinc(t * cutoff, zeros, cutoff, orig), width
+
+
+def _resample_direct(x: Tensor, orig: int, new: int, zeros: int, rolloff: float, out_length: int) -> Tensor:
+    """:func:`resample`'s filter applied output by output (``x`` ``[N, S]``), a chunk of outputs at a
+    time: memory bounded by the chunk, whatever the ratio ``orig / new``."""
+    cutoff, width = _width(orig, new, zeros, rolloff)
+    taps = torch.arange(-width, width + 2)  # input samples around each output's position
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    xp = torch.nn.functional.pad(x.to(dtype), (width, width + 2))  # index j + width is input sample j
+    out = x.new_empty(x.shape[0], out_length, dtype=dtype)
+    chunk = max(1, 2**22 // len(taps))
+    for start in range(0, out_length, chunk):
+        n = torch.arange(start, min(start + chunk, out_length), dtype=torch.int64)  # output indices
+        j = (n * orig // new)[:, None] + taps  # [c, taps]: input indices, exact integer arithmetic
+        t = (j * new - n[:, None] * orig).to(torch.float64) / (orig * new) * cutoff
+        weights = _sinc(t, zeros, cutoff, orig).to(dtype)
+        j = (j + width).clamp(0, xp.shape[1] - 1)  # past either end: the zero padding (weights vanish)
+        out[:, start : start + len(n)] = (xp[:, j] * weights).sum(-1)
+    return out
 
 
 def resample(
@@ -171,12 +206,15 @@ def resample(
         return waveform
     g = math.gcd(int(orig_freq), int(new_freq))
     orig, new = int(orig_freq) // g, int(new_freq) // g
-    kernel, width = _sinc_kernel(orig, new, zeros, rolloff)
     shape, length = waveform.shape, waveform.shape[-1]
+    out_length = math.ceil(length * new / orig)
+    if new * (orig + 2 * _width(orig, new, zeros, rolloff)[1]) > _TABLE_ENTRIES:
+        y = _resample_direct(waveform.reshape(-1, length), orig, new, zeros, rolloff, out_length)
+        return y.reshape(*shape[:-1], out_length)
+    kernel, width = _sinc_kernel(orig, new, zeros, rolloff)
     x = waveform.reshape(-1, 1, length)
     x = torch.nn.functional.pad(x, (width, width + orig))
     weight = kernel.to(waveform.dtype if waveform.is_floating_point() else torch.float32)[:, None, :]
     y = torch.nn.functional.conv1d(x.to(weight.dtype), weight, stride=orig)  # [N, new, blocks]
     y = y.transpose(1, 2).reshape(x.shape[0], -1)
-    out_length = math.ceil(length * new / orig)
     return y[:, :out_length].reshape(*shape[:-1], out_length)

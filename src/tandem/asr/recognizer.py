@@ -163,7 +163,8 @@ class Recognizer:
             AudioError: an empty or silent recording, named ``waveforms[i]``.
         """
         _check_batch_size(batch_size)
-        rates = [sample_rate] * len(waveforms) if isinstance(sample_rate, int) else list(sample_rate)
+        # one rate: a number of any kind (int, float, numpy or 0-d tensor); else one per waveform
+        rates = [sample_rate] * len(waveforms) if np.ndim(sample_rate) == 0 else list(sample_rate)
         if len(rates) != len(waveforms):
             raise ValueError(
                 f"transcribe_batch: expected one sample_rate or {len(waveforms)} (one per waveform), "
@@ -183,6 +184,11 @@ class Recognizer:
         """:meth:`transcribe_files` one result at a time, in order, as each group of ``batch_size``
         files is done (only that group's audio is in memory)."""
         _check_batch_size(batch_size)
+        if isinstance(files, (str, bytes, os.PathLike)) or not hasattr(files, "__len__"):
+            raise TypeError(
+                f"files: expected a sequence of paths or binary file objects, got {type(files).__name__} "
+                "(one path goes in a list)"
+            )
         for start in range(0, len(files), batch_size):
             group = [(source, source_name(source)) for source in files[start : start + batch_size]]
             done: dict[int, FileTranscript] = {}
@@ -191,9 +197,16 @@ class Recognizer:
                 began = time.perf_counter()
                 try:
                     waveform, rate = read_audio(source, name=name)
-                    mono = to_model_input(waveform, rate, self.sample_rate, name=name)
+                    mono = to_model_input(waveform, rate, self.sample_rate, name=name, layout_checked=True)
                 except AudioError as e:
                     done[i] = FileTranscript(name, None, error=str(e))
+                    continue
+                except (MemoryError, RuntimeError, ValueError, TypeError, AttributeError) as e:
+                    # whatever else one file does (an entry that is no file object, a rate that exhausts
+                    # memory): that file's error, not the end of the others
+                    first = (str(e).strip().splitlines() or [""])[0][:200]
+                    error = f"{name}: cannot transcribe ({type(e).__name__}: {first})"
+                    done[i] = FileTranscript(name, None, error=error)
                     continue
                 read.append((i, mono, waveform.shape[-1] / rate, time.perf_counter() - began))
             texts, seconds = self._decode([m for _, m, _, _ in read], batch_size)

@@ -25,8 +25,9 @@ from tandem.cli._args import positive_int
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 DESCRIPTION = (
-    "Transcribe recordings (WAV at any rate, mono or multi-channel, integer or float samples; - for "
-    "standard input) with a recognizer trained by `tandem train`: one line per file, path<TAB>text, in "
+    "Transcribe recordings (WAV, FLAC, OGG and what else the installed libsndfile reads, MP3 from its "
+    "1.1; any rate up to 768 kHz, mono or multi-channel, integer or float samples; - for standard input, "
+    "named pipes too) with a recognizer trained by `tandem train`: one line per file, path<TAB>text, in "
     "argument order. Unreadable, empty or silent files are reported on stderr (exit status 1) while the "
     "others are transcribed; a --model that is not a recognizer checkpoint is exit status 2."
 )
@@ -106,4 +107,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # stdout to /dev/null, or flushing it at exit raises once more (Python's documented remedy)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what was printed stands; one line, the shell's status for SIGINT
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     return 1 if failed else 0
