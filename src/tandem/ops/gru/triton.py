@@ -178,14 +178,17 @@ def _gru_fwd_step(
 
 
 @triton.jit
-def _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn):
+def _gate_grads(b_dh, b_r, b_z, b_n, b_h, p_hn, m, COMPUTE: tl.constexpr):
     """The step's pre-activation gate gradients ``(dr, dz, dn, dn * r)`` from dL/dh of its states and its
-    saved r, z, n, state h and ``W_hn h_prev + b_hn``, element by element."""
+    saved r, z, n and state h, element by element; ``W_hn h_prev + b_hn`` is loaded (``p_hn``, mask
+    ``m``) only where it is used, which keeps Triton 3.6's build of the persistent backward (tf32, H16)
+    from spilling."""
     b_a = b_dh * (1.0 - b_z)
     b_dz = b_a * (b_h - b_n)  # dh (h_prev - n) z (1 - z), as h - n = z (h_prev - n)
     b_dn = b_a * (1.0 - b_n * b_n)
     b_dn_h = b_dn * b_r
-    return b_dn_h * b_hn * (1.0 - b_r), b_dz, b_dn, b_dn_h
+    b_dr = b_dn_h * tl.load(p_hn, mask=m, other=0.0).to(COMPUTE) * (1.0 - b_r)
+    return b_dr, b_dz, b_dn, b_dn_h
 
 
 @triton.jit
@@ -204,8 +207,7 @@ def _tile_gate_grads(
     b_z = tl.load(p_gates + o_row3 + H, mask=m, other=0.0).to(COMPUTE)
     b_n = tl.load(p_gates + o_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
     b_h = tl.load(p_states + o_row, mask=m, other=0.0).to(COMPUTE)
-    b_hn = tl.load(p_hn + o_row, mask=m, other=0.0).to(COMPUTE)
-    b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn)
+    b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, p_hn + o_row, m, COMPUTE)
     b_dr, b_dz, b_dn_h = b_dr.to(dt), b_dz.to(dt), b_dn_h.to(dt)
     if store:
         tl.store(p_dgates + o_row3, b_dr, mask=m)
@@ -417,8 +419,7 @@ def _gru_bwd_persistent(
             b_z = tl.load(p_gates + o_row3 + H, mask=m, other=0.0).to(COMPUTE)
             b_n = tl.load(p_gates + o_row3 + 2 * H, mask=m, other=0.0).to(COMPUTE)
             b_h = tl.load(p_states + o_row, mask=m, other=0.0).to(COMPUTE)
-            b_hn = tl.load(p_hn + o_row, mask=m, other=0.0).to(COMPUTE)
-            b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, b_hn)
+            b_dr, b_dz, b_dn, b_dn_h = _gate_grads(b_dh, b_r, b_z, b_n, b_h, p_hn + o_row, m, COMPUTE)
             b_dr, b_dz, b_dn_h = b_dr.to(dt), b_dz.to(dt), b_dn_h.to(dt)
             tl.store(p_dgates + o_row3, b_dr, mask=m)
             tl.store(p_dgates + o_row3 + H, b_dz, mask=m)
