@@ -7,10 +7,12 @@ also computes the single-process references with the same helpers) compares. Eac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -351,6 +353,69 @@ def _check_mismatch(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@dataclasses.dataclass
+class TwoHeads:
+    """A forward's output as a dataclass (torch's DDP finds the tensors in one)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class TwoHeadNet(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.body = torch.nn.Linear(6, 8, dtype=dtype)
+        # batch norm takes no complex numbers
+        self.norm = torch.nn.Identity() if dtype.is_complex else torch.nn.BatchNorm1d(8, dtype=dtype)
+        self.a = torch.nn.Linear(8, 3, dtype=dtype)
+        self.b = torch.nn.Linear(8, 3, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> TwoHeads:
+        h = self.norm(torch.tanh(self.body(x.to(self.body.weight.dtype))))
+        return TwoHeads(self.a(h), self.b(h))
+
+
+def _two_head_step(wrapper, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    out = wrapper(x)
+    (loss_fn(out.a.real, y) + loss_fn(out.b.imag if out.b.is_complex() else out.b, y)).backward()
+    return {"grads": grads(model), "buffers": {k: v.clone() for k, v in model.named_buffers()}}
+
+
+def _check_drop_in(rank: int, world: int) -> dict[str, Any]:
+    """What a torch user's DDP code does, wrapped by torch's and by tandem's: dataclass outputs with
+    find_unused_parameters, broadcast_buffers=False (each rank's own buffers from the start),
+    parameters left rank-local by _set_params_and_buffers_to_ignore_for_model, complex parameters,
+    torch's positional order, bucket_cap_mb_list, and the timeout the group was made with."""
+    x, y = batch(0, world)
+    x, y = local(x, rank, world), local(y, rank, world)
+    out: dict[str, Any] = {}
+    cases = {
+        "dataclass": (dict(find_unused_parameters=True), torch.float64, None),
+        "own_buffers": (dict(broadcast_buffers=False), torch.float64, None),
+        "ignored": ({}, torch.float64, ["a.bias", "norm.running_mean"]),
+        "complex": ({}, torch.complex128, None),
+        "positional": ((None, None, 0, True, True, None, ONE_BYTE_MB), torch.float64, None),
+        "cap_list": (dict(bucket_cap_mb_list=[ONE_BYTE_MB, 1.0]), torch.float64, None),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's about broadcast_buffers
+        for name, (args, dtype, ignore) in cases.items():
+            for side, cls in (("torch", TorchDDP), ("tandem", TandemDDP)):
+                model = TwoHeadNet(dtype)
+                with torch.no_grad():
+                    if not dtype.is_complex:
+                        model.norm.running_mean.fill_(float(rank))  # a rank's own statistics
+                    model.a.bias.add_(rank)  # differs per rank: kept only where it is ignored
+                if ignore is not None:
+                    cls._set_params_and_buffers_to_ignore_for_model(model, ignore)
+                wrapper = cls(model, *args) if isinstance(args, tuple) else cls(model, **args)
+                out[f"{name}_{side}"] = _two_head_step(wrapper, model, x, y)
+    ddp = TandemDDP(mlp(), init_sync=False)
+    out["default_timeout"] = ddp.timeout
+    return out
+
+
 MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "single_process": _check_single_process,
     "vs_torch": _check_vs_torch,
@@ -359,6 +424,7 @@ MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "hooks": _check_hooks,
     "rebuild": _check_rebuild,
     "mismatch": _check_mismatch,
+    "drop_in": _check_drop_in,
 }
 
 

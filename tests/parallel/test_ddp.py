@@ -107,6 +107,35 @@ def test_equals_torch_ddp_with_buffers(main_results):
         assert_same_state(weights(res["tandem"]), weights(per_rank[0]["tandem"]), rtol=0, atol=0)
 
 
+def test_drop_in_cases_equal_torchs_ddp(main_results):
+    """Each case wrapped by torch's DDP and by tandem's on the same ranks: the same gradients and buffers
+    (float64: only the order of sums may differ)."""
+    for res in check(main_results, "drop_in"):
+        names = sorted({k.rsplit("_", 1)[0] for k in res if k.endswith("_torch")})
+        assert names == ["cap_list", "complex", "dataclass", "ignored", "own_buffers", "positional"]
+        for name in names:
+            ours, theirs = res[f"{name}_tandem"], res[f"{name}_torch"]
+            assert_same_state(ours["grads"], theirs["grads"], **TIGHT)
+            assert_same_state(ours["buffers"], theirs["buffers"], rtol=0, atol=0)
+
+
+def test_own_buffers_and_ignored_parameters_stay_per_rank(main_results):
+    """broadcast_buffers=False keeps each rank's statistics (rank r's running mean started at r), and an
+    ignored parameter is not averaged: the ranks' gradients differ there."""
+    per_rank = check(main_results, "drop_in")
+    means = [res["own_buffers_tandem"]["buffers"]["norm.running_mean"] for res in per_rank]
+    assert len({round(float(m.mean()), 6) for m in means}) == WORLD
+    ignored = [res["ignored_tandem"]["grads"]["a.bias"] for res in per_rank]
+    assert not torch.equal(ignored[0], ignored[1])
+    shared = [res["ignored_tandem"]["grads"]["a.weight"] for res in per_rank]
+    assert all(torch.equal(g, shared[0]) for g in shared)
+
+
+def test_default_timeout_is_the_groups(main_results):
+    """The ranks joined with a 60 s timeout (tests/parallel/_ranks.py): what torch's collectives wait."""
+    assert [res["drop_in"]["default_timeout"] for res in main_results] == [60.0] * WORLD
+
+
 def test_stats(main_results):
     for res in check(main_results, "vs_torch"):
         st = res["stats"]

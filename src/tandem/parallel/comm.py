@@ -21,6 +21,7 @@ from torch.futures import Future
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "group_timeout_seconds",
     "timeout_seconds",
     "CommunicationError",
     "watch",
@@ -31,14 +32,31 @@ __all__ = [
 ]
 
 
-DEFAULT_TIMEOUT_S = 30.0  # how long a rank waits for its peers before raising CommunicationError
+# How long a rank waits for its peers before raising CommunicationError when neither a timeout= nor the
+# process group's own timeout can be had: torch's default for a process group, 30 minutes.
+DEFAULT_TIMEOUT_S = 1800.0
 
 
-def timeout_seconds(timeout: float | datetime.timedelta | None, owner: str) -> float:
-    """``timeout`` (seconds or a timedelta; None for :data:`DEFAULT_TIMEOUT_S`) in seconds; ``owner``
-    names the class in the error a non-positive value raises."""
+def group_timeout_seconds(group: dist.ProcessGroup | None) -> float:
+    """The timeout ``group`` (None: the default group) was made with (``init_process_group(timeout=...)``,
+    ``new_group(timeout=...)``), in seconds: what torch's collectives on it wait; :data:`DEFAULT_TIMEOUT_S`
+    where the backend does not tell."""
+    group = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return DEFAULT_TIMEOUT_S
+
+
+def timeout_seconds(
+    timeout: float | datetime.timedelta | None, owner: str, group: dist.ProcessGroup | None = None
+) -> float:
+    """``timeout`` (seconds or a timedelta; None for the process ``group``'s own timeout, as torch's
+    collectives wait) in seconds; ``owner`` names the class in the error a non-positive value raises."""
     if timeout is None:
-        return DEFAULT_TIMEOUT_S
+        return group_timeout_seconds(group)
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
     if not seconds > 0:
         raise ValueError(f"{owner}: expected a positive timeout, got {timeout!r}")

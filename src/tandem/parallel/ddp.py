@@ -24,11 +24,14 @@ How a synchronised step runs:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
+import inspect
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,6 +54,18 @@ from tandem.parallel.comm import (
 )
 
 __all__ = ["DistributedDataParallel", "DDPStats", "DEFAULT_TIMEOUT_S"]
+
+# torch 2.13 deprecates broadcast_buffers (for forward_sync_buffers) and warns whenever it is passed; so does
+# this wrapper, under a torch that does
+_TORCH_DEPRECATES_BROADCAST_BUFFERS = (
+    "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+)
+_BROADCAST_BUFFERS_DEPRECATED = (
+    "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
+    "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init. If you rely on "
+    "buffers NOT being synced at init (e.g. rank-local buffers), keep using `broadcast_buffers=False` until "
+    "`init_sync_buffers` is available."
+)
 
 _MB = 1024 * 1024
 _DEFAULT_BUCKET_CAP_MB = 25
@@ -163,7 +178,8 @@ class _Bucket:
 
 
 def _tensors_in(obj: Any) -> Iterator[Tensor]:
-    """The tensors in a (possibly nested) output: tuples, lists, dicts, namedtuples, PackedSequence."""
+    """The tensors in a (possibly nested) output: tuples, lists, dicts, namedtuples, PackedSequence,
+    dataclass instances (as torch's DDP finds them)."""
     if isinstance(obj, Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -172,6 +188,9 @@ def _tensors_in(obj: Any) -> Iterator[Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _tensors_in(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, field.name))
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -201,22 +220,36 @@ class DistributedDataParallel(torch.nn.Module):
             ``i`` (inputs are then moved there).
         output_device: accepted for torch compatibility; a single-device module's outputs stay on its
             device.
+        dim: kept (``self.dim``) as torch keeps it; a single-device module scatters nothing.
+        broadcast_buffers: broadcast rank 0's buffers (batch-norm statistics) here and before each
+            forward (default True); False keeps every rank's own. Under torch 2.13, which deprecates
+            it for ``forward_sync_buffers``, passing it warns as torch's does.
+        init_sync: check and broadcast the parameters (and shared buffers) here (default True).
         process_group: the group to average over (default: the default group).
         bucket_cap_mb: bucket size in MiB; 0 gives one parameter per bucket. Default: torch's 25 MiB
             (with a 1 MiB first bucket), but at most 1/16 of the model (at least 1 MiB), so that the
             last bucket, whose all-reduce nothing can hide, stays small for models under 400 MiB.
-        broadcast_buffers: broadcast rank 0's buffers (batch-norm statistics) before each forward.
         find_unused_parameters: allow parameters to get no gradient in a backward (they count as
             zero for this rank). Without it, such parameters are a ``RuntimeError`` at the end of
             backward.
+        check_reduction: deprecated in torch; warns as torch does.
         gradient_as_bucket_view: make ``.grad`` views of the bucket buffers: no copy back, less
             memory.
+        static_graph: the same gradients; parameters may go unused, as with find_unused_parameters.
+        bucket_cap_mb_list: each bucket's size in MiB, in order (the last for the rest).
+        batched_grad_copy: accepted (a copy strategy of torch's reducer; nothing to change here).
+        forward_sync_buffers: torch 2.13's successor of broadcast_buffers: when given, it decides the
+            broadcast before each forward, and the buffers are synced here whatever it says.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
+            skip_all_reduce_unused_params: not supported: anything but the default raises
+            ``NotImplementedError`` naming it.
         timeout: seconds (or a ``timedelta``) to wait for any collective before raising
-            :class:`~tandem.parallel.CommunicationError`; default 30. A dead or stuck rank makes the
-            others raise within it instead of hanging (the process group is not usable afterwards:
-            later forwards raise at once). The wait is on the host, so it bounds Gloo collectives;
-            NCCL marks work done at enqueue, so there a hang falls to the process group's own
-            timeout (``init_process_group(timeout=...)``, NCCL's watchdog) - not tested here.
+            :class:`~tandem.parallel.CommunicationError`; default: the process group's own timeout
+            (``init_process_group(timeout=...)``; torch's default 30 minutes), which torch's DDP waits
+            too. A dead or stuck rank makes the others raise within it instead of hanging (the process
+            group is not usable afterwards: later forwards raise at once). The wait is on the host, so
+            it bounds Gloo collectives; NCCL marks work done at enqueue, so there a hang falls to NCCL's
+            watchdog - not tested here.
 
     Example::
 
@@ -232,13 +265,50 @@ class DistributedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         device_ids: list[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
-        broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         timeout: float | datetime.timedelta | None = None,
     ) -> None:
+        # torch's arguments in torch's order (2.13's; torch 2.11's are a prefix), so that positional calls
+        # mean the same; what tandem's wrapper does not do is refused by name, never ignored
+        unsupported = {
+            "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
+            "param_to_hook_all_reduce": param_to_hook_all_reduce is not None,
+            "mixed_precision": mixed_precision is not None,
+            "device_mesh": device_mesh is not None,
+            "skip_all_reduce_unused_params": bool(skip_all_reduce_unused_params),
+        }
+        for name, given in unsupported.items():
+            if given:
+                raise NotImplementedError(
+                    f"DistributedDataParallel: tandem's wrapper does not take {name}= (torch's "
+                    "DistributedDataParallel does)"
+                )
+        if check_reduction:
+            warnings.warn(  # torch's words
+                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please "
+                "avoid using it.",
+                FutureWarning,
+                stacklevel=2,
+            )
+        if broadcast_buffers is not None and _TORCH_DEPRECATES_BROADCAST_BUFFERS:
+            warnings.warn(_BROADCAST_BUFFERS_DEPRECATED, FutureWarning, stacklevel=2)
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
@@ -251,20 +321,39 @@ class DistributedDataParallel(torch.nn.Module):
             )
         if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
             raise ValueError(f"DistributedDataParallel: expected bucket_cap_mb >= 0, got {bucket_cap_mb}")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if bucket_cap_mb_list is not None and not all(c >= 0 for c in bucket_cap_mb_list):
+            raise ValueError(
+                "DistributedDataParallel: expected bucket_cap_mb_list of sizes >= 0, got "
+                f"{bucket_cap_mb_list}"
+            )
+        # torch's DDP leaves what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model named
+        # rank-local: neither broadcast nor averaged
+        self._ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self._ignored]
         if not named:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that "
                 "requires a gradient."
             )
-        self.timeout = timeout_seconds(timeout, "DistributedDataParallel")
+        self.timeout = timeout_seconds(timeout, "DistributedDataParallel", process_group)
         devices = {t.device for t in [*module.parameters(), *module.buffers()]}
         self._set_devices(devices, device_ids, output_device)
 
         self.module = module
+        self.dim = dim
         self.process_group = process_group
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
+        # torch 2.13's rule: forward_sync_buffers, when given, decides the broadcast before each forward
+        # and the buffers are synced at construction; otherwise broadcast_buffers (default True) decides
+        # both
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers, self._init_sync_buffers = bool(forward_sync_buffers), True
+        else:
+            sync = True if broadcast_buffers is None else bool(broadcast_buffers)
+            self.forward_sync_buffers, self._init_sync_buffers = sync, sync
+        self.static_graph = static_graph
+        # torch's static graph lets a parameter go unused without find_unused_parameters (the first
+        # iteration tells); here that is find_unused_parameters' handling, the same gradients
+        self.find_unused_parameters = find_unused_parameters or static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
         self.rank = dist.get_rank(process_group)
@@ -273,7 +362,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._comm_device = next(iter(module.parameters())).device
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        if bucket_cap_mb is None:
+        if bucket_cap_mb_list:
+            self._caps = [int(c * _MB) for c in bucket_cap_mb_list]
+        elif bucket_cap_mb is None:
             # torch's 25 MiB, but at least ~16 buckets for smaller models: the last bucket's all-reduce
             # cannot overlap anything, so it should be a small part of the whole.
             total = sum(p.numel() * p.element_size() for p in self._params)
@@ -301,7 +392,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._comm_group = dist.new_group() if use_thread and self.world_size > 1 else process_group
         self._copy_when_done = on_cpu and not find_unused_parameters and not gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
-        self._sync_module_state()
+        if init_sync:
+            self._sync_module_state()
 
         n = len(self._params)
         self._comm_hook: Callable[[Any, GradBucket], Future] | None = None
@@ -355,21 +447,46 @@ class DistributedDataParallel(torch.nn.Module):
             wanted.index if output_device is None else torch.device(device_type, output_device).index
         )
 
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: torch.nn.Module, params_and_buffers_to_ignore: list[str]
+    ) -> None:
+        """torch's (private, widely used) way to keep parameters and buffers rank-local: neither
+        broadcast nor averaged. Call before wrapping; names as ``named_parameters()`` gives them."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether rank 0's buffers are broadcast before each forward (torch 2.13's name for it is
+        ``forward_sync_buffers``; the two are one setting)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def _shared_buffers(self, share: bool) -> list[tuple[str, Tensor]]:
+        """The buffers every rank takes from rank 0: none unless ``share``, and never the ignored ones."""
+        if not share:
+            return []
+        return [(n, t) for n, t in self.module.named_buffers() if n not in self._ignored]
+
     def _sync_module_state(self) -> None:
-        """Check that every rank has the same parameters and buffers, then take rank 0's values."""
+        """Check that every rank has the same parameters and buffers (those it shares), then take rank 0's
+        values."""
         if self.world_size == 1:
             return
+        params = [(n, t) for n, t in self.module.named_parameters() if n not in self._ignored]
         described = [
             f"parameter {name!r} of shape {list(t.shape)}, {t.dtype}, requires_grad={t.requires_grad}"
-            for name, t in self.module.named_parameters()
+            for name, t in params
         ]
-        described += [
-            f"buffer {name!r} of shape {list(t.shape)}, {t.dtype}" for name, t in self.module.named_buffers()
-        ]
+        buffers = self._shared_buffers(self._init_sync_buffers)
+        described += [f"buffer {name!r} of shape {list(t.shape)}, {t.dtype}" for name, t in buffers]
         check_same_on_all_ranks(
             described, self.process_group, self._comm_device, self.timeout, "parameters and buffers"
         )
-        state = [*self.module.parameters(), *self.module.buffers()]
+        state = [t for _, t in params + buffers]
         if state:
             broadcast_coalesced(
                 [t.detach() for t in state],
@@ -408,8 +525,8 @@ class DistributedDataParallel(torch.nn.Module):
                 "DistributedDataParallel: an earlier collective failed, so the process group can no longer "
                 f"be trusted: {self._failure}"
             ) from self._failure
-        if self._sync_buffers_next and self.broadcast_buffers and self.world_size > 1:
-            buffers = list(self.module.buffers())
+        if self._sync_buffers_next and self.forward_sync_buffers and self.world_size > 1:
+            buffers = [t for _, t in self._shared_buffers(True)]
             if buffers:
                 self._guarded(
                     broadcast_coalesced,
@@ -726,6 +843,9 @@ class DistributedDataParallel(torch.nn.Module):
     def _copy_out(self, bucket: _Bucket, result: Any, skip: list[bool] | None) -> None:
         """Write bucket ``bucket``'s reduced values (the collective's or hook's result) to ``.grad``."""
         flat = result[0] if isinstance(result, (list, tuple)) else result
+        if isinstance(flat, Tensor) and bucket._dtype.is_complex and not flat.is_complex():
+            # torch.distributed all-reduces a complex tensor as its real view: pairs of (re, im)
+            flat = torch.view_as_complex(flat.reshape(-1, 2)) if flat.numel() == 2 * bucket.numel else flat
         if not isinstance(flat, Tensor) or flat.numel() != bucket.numel:
             got = f"{flat.numel()} elements" if isinstance(flat, Tensor) else type(flat).__name__
             raise RuntimeError(

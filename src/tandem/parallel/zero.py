@@ -46,7 +46,14 @@ from torch.optim import Optimizer
 
 from tandem.ops.adagrad import adagrad_unchecked
 from tandem.optim.adagrad import check_hyperparameters
-from tandem.parallel.comm import check_same_on_all_ranks, result, timeout_seconds, wait_event, watch
+from tandem.parallel.comm import (
+    check_same_on_all_ranks,
+    group_timeout_seconds,
+    result,
+    timeout_seconds,
+    wait_event,
+    watch,
+)
 
 __all__ = ["ZeroAdagrad", "shard_layout"]
 
@@ -142,7 +149,7 @@ class ZeroAdagrad(Optimizer):
         differentiable: must be False.
         process_group: the ranks that share the state (default: the default group).
         timeout: seconds (or a ``timedelta``) to wait for any collective before raising
-            :class:`~tandem.parallel.CommunicationError`; default 30.
+            :class:`~tandem.parallel.CommunicationError`; default: the process group's own timeout.
 
     Example::
 
@@ -178,12 +185,13 @@ class ZeroAdagrad(Optimizer):
             raise ValueError(
                 "ZeroAdagrad: expected differentiable=False (a sharded step is not differentiable)"
             )
-        self.timeout = timeout_seconds(timeout, _WHO)
+        seconds = timeout_seconds(timeout, _WHO) if timeout is not None else None  # a bad one first
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ZeroAdagrad: the default process group has not been initialized; call "
                 "torch.distributed.init_process_group(...) first or pass process_group="
             )
+        self.timeout = seconds if seconds is not None else group_timeout_seconds(process_group)
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,
