@@ -7,8 +7,10 @@ also computes the single-process references with the same helpers) compares. Eac
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import io
 import os
 import signal
 import time
@@ -416,6 +418,22 @@ def _check_drop_in(rank: int, world: int) -> dict[str, Any]:
                 out[f"{name}_{side}"] = _two_head_step(wrapper, model, x, y)
     ddp = TandemDDP(mlp(), init_sync=False)
     out["default_timeout"] = ddp.timeout
+    # copies of a trained wrapper (an EMA copy, a checkpoint of the whole wrapper): each trains on,
+    # averaging over the default group, as torch's copies do; the original goes on too
+    for side, cls in (("torch", TorchDDP), ("tandem", TandemDDP)):
+        model = mlp()
+        wrapper = cls(model)
+        train(wrapper, 1, world, rank)
+        copies = {"deepcopy": copy.deepcopy(wrapper)}
+        buffer = io.BytesIO()
+        torch.save(wrapper, buffer)
+        buffer.seek(0)
+        copies["torch_save"] = torch.load(buffer, weights_only=False)
+        for name, twin in copies.items():
+            train(twin, 2, world, rank)
+            out[f"copy_{name}_{side}"] = params(twin.module)
+        train(wrapper, 1, world, rank)
+        out[f"copy_original_{side}"] = params(model)
     return out
 
 

@@ -111,7 +111,8 @@ def test_drop_in_cases_equal_torchs_ddp(main_results):
     """Each case wrapped by torch's DDP and by tandem's on the same ranks: the same gradients and buffers
     (float64: only the order of sums may differ)."""
     for res in check(main_results, "drop_in"):
-        names = sorted({k.rsplit("_", 1)[0] for k in res if k.endswith("_torch")})
+        cases = [k for k in res if k.endswith("_torch") and not k.startswith("copy_")]
+        names = sorted({k.rsplit("_", 1)[0] for k in cases})
         assert {"complex", "dataclass", "ignored", "own_buffers", "positional"} <= set(names)  # + cap_list
         for name in names:
             ours, theirs = res[f"{name}_tandem"], res[f"{name}_torch"]
@@ -129,6 +130,14 @@ def test_own_buffers_and_ignored_parameters_stay_per_rank(main_results):
     assert not torch.equal(ignored[0], ignored[1])
     shared = [res["ignored_tandem"]["grads"]["a.weight"] for res in per_rank]
     assert all(torch.equal(g, shared[0]) for g in shared)
+
+
+def test_copies_of_the_wrapper_train_as_torchs(main_results):
+    """copy.deepcopy and torch.save/torch.load of a trained wrapper: the copies train on (over the default
+    group) to torch's copies' parameters, and the original is untouched by them."""
+    for res in check(main_results, "drop_in"):
+        for name in ("deepcopy", "torch_save", "original"):
+            assert_same_state(res[f"copy_{name}_tandem"], res[f"copy_{name}_torch"], **TIGHT)
 
 
 def test_default_timeout_is_the_groups(main_results):

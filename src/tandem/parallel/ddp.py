@@ -356,23 +356,33 @@ class DistributedDataParallel(torch.nn.Module):
         self.find_unused_parameters = find_unused_parameters or static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
-        self._src = dist.get_process_group_ranks(process_group)[0] if self.world_size > 1 else 0
-        self._comm_device = next(iter(module.parameters())).device
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        params = [p for _, p in named]
         if bucket_cap_mb_list:
             self._caps = [int(c * _MB) for c in bucket_cap_mb_list]
         elif bucket_cap_mb is None:
             # torch's 25 MiB, but at least ~16 buckets for smaller models: the last bucket's all-reduce
             # cannot overlap anything, so it should be a small part of the whole.
-            total = sum(p.numel() * p.element_size() for p in self._params)
+            total = sum(p.numel() * p.element_size() for p in params)
             cap = min(_DEFAULT_BUCKET_CAP_MB * _MB, max(_FIRST_BUCKET_BYTES, total // _MIN_BUCKETS))
             self._caps = [_FIRST_BUCKET_BYTES, cap]
         else:
             self._caps = [int(bucket_cap_mb * _MB)]
         self.bucket_bytes_cap = self._caps[-1]
+        self._set_up(threaded=True)
+        if init_sync:
+            self._sync_module_state()
+
+    def _set_up(self, threaded: bool) -> None:
+        """Everything that does not survive a copy: the group's facts, the parameters' order, the
+        communication thread, the buckets and the hooks on the parameters."""
+        process_group, module = self.process_group, self.module
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._src = dist.get_process_group_ranks(process_group)[0] if self.world_size > 1 else 0
+        self._comm_device = next(iter(module.parameters())).device
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self._ignored]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
         # Copies are memory passes that need not hold up backward. For CPU buckets the gradients go into
         # their bucket, and buckets are launched, on a communication thread (one per wrapper, in order,
         # so collectives are issued in the same order on every rank); the thread that completes an
@@ -386,14 +396,13 @@ class DistributedDataParallel(torch.nn.Module):
         # none: it issues every collective from the autograd thread, in backward's order, as this wrapper
         # does for CUDA buckets, and for a group smaller than the world, which it cannot duplicate
         # (every rank of the world must take part in creating a group, and only members construct this).
-        spans_world = _spans_world(process_group)
-        use_thread = on_cpu and not gradient_as_bucket_view and spans_world
+        # A copy (deepcopy, pickle) does the same: making a group is a collective, and a copy may be
+        # made on one rank alone.
+        use_thread = threaded and on_cpu and not self.gradient_as_bucket_view and _spans_world(process_group)
         self._comm_thread = _CommThread() if use_thread else None
         self._comm_group = dist.new_group() if use_thread and self.world_size > 1 else process_group
-        self._copy_when_done = on_cpu and not find_unused_parameters and not gradient_as_bucket_view
+        self._copy_when_done = on_cpu and not self.find_unused_parameters and not self.gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
-        if init_sync:
-            self._sync_module_state()
 
         n = len(self._params)
         self._comm_hook: Callable[[Any, GradBucket], Future] | None = None
@@ -415,6 +424,28 @@ class DistributedDataParallel(torch.nn.Module):
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_hook, me, i))
             for i, p in enumerate(self._params)
         ]
+
+    # what a copy leaves out and rebuilds (_set_up): threads, groups, hooks, buckets, per-step state
+    _RUNTIME = (
+        "process_group", "rank", "world_size", "_src", "_comm_device", "_names", "_params", "_comm_thread",
+        "_comm_group", "_copy_when_done", "_index_of", "_comm_hook", "_comm_state", "_buckets", "_slot",
+        "_rebuilt", "_expect_hooks", "_in_backward", "_sync_buffers_next", "_failure", "_last_stats",
+        "_unreachable", "_used_since_sync", "_handles", "_ready", "_fired", "_order", "_next_bucket",
+        "_unreachable_filled", "_t_backward",
+    )  # fmt: skip
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As torch's DDP: a copy (``copy.deepcopy``, pickle, ``torch.save``) holds the module and the
+        settings; not the process group (the copy takes the default one), nor the communication hook."""
+        state = self.__dict__.copy()
+        for name in self._RUNTIME:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.process_group = None
+        self._set_up(threaded=False)
 
     # ------------------------------------------------------------------------------------------
     # construction
