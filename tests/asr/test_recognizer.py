@@ -127,6 +127,22 @@ def test_batching_does_not_change_the_transcripts(checkpoint):
         assert rec.transcribe_batch(mixed, rates, batch_size=batch_size) == one_by_one
 
 
+def test_a_long_recording_is_not_batched_with_short_ones(checkpoint, monkeypatch):
+    """A batch pads to its longest recording: one long recording among short ones forms a batch of its
+    own (peak memory of one long recording, not of batch_size of them), the transcripts unchanged."""
+    from tandem.asr import recognizer
+
+    assert list(recognizer._batches([0, 1, 2, 3], [100, 10, 10, 10], 16)) == [[0, 1, 2, 3]]
+    monkeypatch.setattr(recognizer, "PADDED_SAMPLES", 120)
+    assert list(recognizer._batches([0, 1, 2, 3], [100, 10, 10, 10], 16)) == [[0], [1, 2, 3]]
+    assert list(recognizer._batches([0, 1, 2, 3], [100, 10, 10, 10], 2)) == [[0], [1, 2], [3]]
+    audio = list(_utterances())
+    rec = Recognizer.from_checkpoint(checkpoint)
+    expected = rec.transcribe_batch(audio, 8000, batch_size=1)
+    monkeypatch.setattr(recognizer, "PADDED_SAMPLES", 2 * max(len(a) for a in audio))
+    assert rec.transcribe_batch(audio, 8000, batch_size=16) == expected
+
+
 def test_transcribe_batch_errors_name_the_waveform(checkpoint):
     rec = Recognizer.from_checkpoint(checkpoint)
     audio = list(_utterances())[:2]
