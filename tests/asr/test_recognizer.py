@@ -265,6 +265,7 @@ def _classify_checkpoint(path):
     "case, expected",
     [
         ("missing", "no such file"),
+        ("directory", "a directory, not a checkpoint file (tandem train writes checkpoint.pt in it)"),
         ("truncated", "not a readable checkpoint (truncated or corrupt?)"),
         ("text", "not a readable checkpoint (truncated or corrupt?)"),
         ("classify", "not a speech-recognizer checkpoint"),
@@ -279,7 +280,9 @@ def test_checkpoints_that_are_not_recognizers_are_refused_naming_the_file(
 ):
     path = tmp_path / f"{case}.pt"
     state = torch.load(checkpoint, weights_only=True)
-    if case == "truncated":
+    if case == "directory":
+        path.mkdir()
+    elif case == "truncated":
         data = checkpoint.read_bytes()
         path.write_bytes(data[: len(data) // 2])
     elif case == "text":

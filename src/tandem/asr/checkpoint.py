@@ -110,6 +110,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     """Read a recognizer checkpoint; any file that is not one (missing, truncated, another kind of
     checkpoint, a newer version) raises :class:`CheckpointError` naming the file and the problem."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path}: a directory, not a checkpoint file (tandem train writes checkpoint.pt in it)"
+        )
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
