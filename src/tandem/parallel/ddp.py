@@ -285,7 +285,7 @@ class DistributedDataParallel(torch.nn.Module):
         *,
         timeout: float | datetime.timedelta | None = None,
     ) -> None:
-        # torch's arguments in torch's order (2.13's; torch 2.11's are a prefix), so that positional calls
+        # torch's arguments in torch's (2.13's) order, so that positional calls
         # mean the same; what tandem's wrapper does not do is refused by name, never ignored
         unsupported = {
             "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
