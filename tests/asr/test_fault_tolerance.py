@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,6 +143,32 @@ def test_no_readable_checkpoint_is_a_clear_refusal(tmp_path):
     assert done.returncode == 2
     assert "--resume: no readable checkpoint in" in done.stderr and "Traceback" not in done.stderr
     assert [p.name for p in out.iterdir()] == ["checkpoint.pt"]
+
+
+def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(reference, tmp_path):
+    """A run started in a folder that holds a run's checkpoints, without --resume (by mistake, or a new
+    run): the earlier checkpoints go to previous/, said on stdout, not deleted."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = load_checkpoint(reference / "checkpoint.pt")["step"]
+    done = tandem("--nproc", "1", *TINY, "--epochs", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{out} held an earlier run's checkpoints; moved to {out / 'previous'}" in done.stdout
+    assert load_checkpoint(out / "previous" / "checkpoint.pt")["step"] == before
+    assert load_checkpoint(out / "checkpoint.pt")["world_size"] == 1  # the new run's
+
+
+def test_a_loss_that_becomes_nan_stops_at_once_and_no_nan_is_saved(tmp_path):
+    """lr 1e6: the loss becomes NaN within a few steps. The run stops at that step (not at the epoch's
+    end, saving NaN weights over the good ones on the way), with one error and no restarts."""
+    out = tmp_path / "run"
+    done = tandem("--nproc", "1", *TINY, "--lr", "1e6", "--checkpoint-every", "1", "--out", str(out))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "tandem train: error:" in done.stderr and "Traceback" not in done.stderr
+    assert "the loss became nan at step" in done.stderr or "weights are no longer finite" in done.stderr
+    for path in out.glob("checkpoint*.pt"):
+        weights = load_checkpoint(path)["model"]
+        assert all(bool(torch.isfinite(w).all()) for w in weights.values() if w.is_floating_point()), path
 
 
 def test_checkpoints_rotate(tmp_path):

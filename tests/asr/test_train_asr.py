@@ -93,6 +93,8 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
         (("--data", "x.npz"), "--data: only for --task classify"),
         (("--warmup-steps", "-1"), "--warmup-steps: expected a number >= 0, got -1"),
         (("--task", "classify", "--test-speaker", "theo"), "--test-speaker: only for --task asr"),
+        (("--seed", "-1"), "--seed: expected a number >= 0, got -1"),
+        (("--nproc", "2", "--batch-size", "1"), "--batch-size: expected at least one utterance per process"),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, args, message):

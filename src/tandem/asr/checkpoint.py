@@ -201,9 +201,25 @@ class CheckpointStore:
         return target
 
     def clear(self) -> None:
-        """Remove every checkpoint of an earlier run in the folder (a fresh run starts here)."""
+        """Remove every checkpoint of an earlier run in the folder."""
         for p in [*self.numbered(), self.path]:
             p.unlink(missing_ok=True)
+
+    def set_aside(self) -> Path | None:
+        """Move an earlier run's checkpoints into ``previous/`` in the folder (replacing what an even
+        earlier run left there), so that a fresh run starts with none of them and still loses nothing
+        until the next fresh run; the folder they went to, or None if there were none."""
+        found = [p for p in [*self.numbered(), self.path] if p.exists()]
+        if not found:
+            return None
+        aside = self.folder / "previous"
+        if aside.exists():
+            for old in [*CheckpointStore(aside).numbered(), aside / self.path.name]:
+                old.unlink(missing_ok=True)
+        aside.mkdir(exist_ok=True)
+        for p in found:
+            os.replace(p, aside / p.name)
+        return aside
 
     def latest(
         self, map_location: str | torch.device = "cpu"

@@ -570,8 +570,9 @@ def _starting_state(
     run: Run, store: CheckpointStore, resume: bool, group: Group
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Rank 0 decides where the run starts, every rank gets its decision: (checkpoint state or None for a
-    fresh start, or an error message). A fresh launch clears the folder's old checkpoints, so a restart
-    by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0) finds only this launch's."""
+    fresh start, or an error message). A fresh launch sets the folder's old checkpoints aside (into
+    ``previous/``, said on stdout), so a restart by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0) finds
+    only this launch's, and a run started without --resume by mistake loses nothing."""
     decision: tuple[dict[str, Any] | None, str | None] = (None, None)
     if group.lead:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -589,7 +590,13 @@ def _starting_state(
                     )
                 decision = (None, mismatch) if mismatch else (state, None)
         else:
-            store.clear()
+            aside = store.set_aside()
+            if aside is not None:
+                print(
+                    f"tandem train: {store.folder} held an earlier run's checkpoints; moved to {aside} (to "
+                    "continue a run, use --resume)",
+                    flush=True,
+                )
     return group.broadcast(decision)  # type: ignore[return-value]
 
 
@@ -690,7 +697,10 @@ def _train(
         run.seconds_before += time.perf_counter() - last_save
         last_save = time.perf_counter()
         problem = None
-        if lead:
+        if lead and not all(bool(torch.isfinite(p).all()) for p in run.model.parameters()):
+            # never a checkpoint of NaN or infinite weights: the ones kept stay the last finite ones
+            problem = "the weights are no longer finite (NaN or inf); not written"
+        elif lead:
             try:
                 store.save(run.state(), run.step)
             except CheckpointWriteError as e:
@@ -699,11 +709,11 @@ def _train(
             return True
         if lead:
             newest = _newest_checkpoint(store)
-            print(
-                f"tandem train: error: the checkpoint after step {run.step}: {problem}. {newest}: make "
-                "room, then run the same command with --resume to continue from it",
+            advice = "" if "not finite" in problem else ": make room, then run the same command with --resume"
+            # through tqdm: on a line of its own, not after the progress bar
+            tqdm.write(
+                f"tandem train: error: the checkpoint after step {run.step}: {problem}. {newest}{advice}",
                 file=sys.stderr,
-                flush=True,
             )
         return False
 
@@ -726,6 +736,18 @@ def _train(
             bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{run.learning_rate():.3g}")
             board.scalars(run.step, {"train/loss": step_loss, "train/learning_rate": run.learning_rate()})
             bar.update()
+            if not math.isfinite(step_loss):  # the same sum on every rank: they all stop here
+                bar.close()
+                board.close()
+                if lead:
+                    print(
+                        f"tandem train: error: the loss became {step_loss} at step {run.step} (epoch "
+                        f"{run.epoch + 1}); nothing after it was saved ({_newest_checkpoint(store)}). Lower "
+                        "--lr and start again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                return 1
             stopped = stopped or n_stop > 0
             if run.position < count and (n_save or stopped):  # the epoch's end saves anyway
                 not_saved = not save()

@@ -270,6 +270,14 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
     """Why the options do not fit the task, or None (checked before anything is written)."""
     if args.max_restarts < 0:
         return f"--max-restarts: expected a number >= 0, got {args.max_restarts}"
+    if args.seed < 0:
+        return f"--seed: expected a number >= 0, got {args.seed}"
+    world = args.nproc * args.nnodes
+    if args.batch_size < world:
+        return (
+            f"--batch-size: expected at least one utterance per process ({world}: --nproc x --nnodes), "
+            f"got {args.batch_size}"
+        )
     if args.task == "asr":
         if args.data is not None:
             return "--data: only for --task classify (speech recognition trains on the bundled recordings)"
