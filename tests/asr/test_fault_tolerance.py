@@ -279,3 +279,27 @@ def test_a_node_that_dies_makes_the_other_exit_with_a_clear_error(tmp_path):
     log = (tmp_path / "node0.log").read_text()
     assert code != 0 and waited < 150
     assert "tandem train: error: the training processes failed" in log and "--rdzv-timeout" in log
+
+
+def test_one_signal_delivered_twice_is_one_stop_request(monkeypatch):
+    """A signal sent to the whole process tree reaches a worker directly and again through torchrun: that
+    is one request (the run stops after its step, with its checkpoint); a second one later, or another
+    signal, ends the process at once."""
+    from tandem.asr import interrupt
+
+    exits = []
+    monkeypatch.setattr(interrupt.os, "_exit", exits.append)
+    clock = [100.0]
+    monkeypatch.setattr(interrupt.time, "monotonic", lambda: clock[0])
+    stop = interrupt.StopRequests()
+    stop._handle(signal.SIGTERM, None)
+    clock[0] += 0.2
+    stop._handle(signal.SIGTERM, None)  # the forwarded copy
+    assert stop.signal == signal.SIGTERM and exits == []
+    clock[0] += 5.0
+    stop._handle(signal.SIGTERM, None)
+    assert exits == [128 + signal.SIGTERM]
+    other = interrupt.StopRequests()
+    other._handle(signal.SIGTERM, None)
+    other._handle(signal.SIGINT, None)
+    assert exits[-1] == 128 + signal.SIGINT

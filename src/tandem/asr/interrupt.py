@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -31,7 +32,9 @@ def collective_exit(code: int) -> int:
 class StopRequests:
     """SIGINT and SIGTERM as requests: the first asks the run to stop after its current step (the loop reads
     :attr:`signal`), the second ends the process at once. Checkpoints are written atomically, so leaving in
-    the middle of one keeps the previous.
+    the middle of one keeps the previous. The same signal again within :attr:`SAME_REQUEST_S` of the first
+    is the same request: a signal sent to a whole process tree (Slurm, systemd, ``kill -- -PGID``) reaches
+    a worker twice, directly and forwarded by torchrun, and must not cost the stop's checkpoint.
 
     Example::
 
@@ -40,8 +43,11 @@ class StopRequests:
         ...     step()
     """
 
+    SAME_REQUEST_S = 1.0
+
     def __init__(self) -> None:
         self.signal: int | None = None
+        self._first = 0.0
 
     def install(self) -> StopRequests:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -50,9 +56,11 @@ class StopRequests:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is not None:
+            if signum == self.signal and time.monotonic() - self._first < self.SAME_REQUEST_S:
+                return  # the same request, delivered twice
             sys.stderr.write(f"tandem train: second {signal.Signals(signum).name}, leaving at once\n")
             os._exit(128 + signum)
-        self.signal = signum
+        self.signal, self._first = signum, time.monotonic()
 
     @property
     def name(self) -> str:
