@@ -93,6 +93,24 @@ def test_sigint_stops_after_a_checkpoint_and_resume_continues_exactly(reference,
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
 
 
+def test_a_signal_to_one_worker_stops_the_run_with_status_130(tmp_path):
+    """SIGTERM to rank 1 alone (an OOM killer's warning, a cluster's preemption of one process): every rank
+    stops after the same step with a checkpoint, and the launcher ends with 130 and says how to continue
+    (it once ended with 0, as if the run had finished)."""
+    out = tmp_path / "run"
+    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        (victim,) = processes_mentioning(str(out), "LOCAL_RANK=1")
+        os.kill(victim, signal.SIGTERM)
+    finally:
+        code = finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 130, log[-3000:]
+    assert "stopped by a signal after step" in log and "to continue: tandem train" in log
+    assert not (out / "metrics.json").exists()
+
+
 def test_a_second_sigint_ends_the_run_at_once_and_keeps_the_checkpoints(tmp_path):
     out = tmp_path / "run"
     proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")

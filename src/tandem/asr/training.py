@@ -559,9 +559,14 @@ def train(
         code = _train(config, Path(out), resume, group, checkpointing, stop, workers, worker_cores)
     finally:
         group.close()
-    # a clean stop under torchrun is no failure to report or restart; other statuses are collective
-    stopped = code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ
-    code = 0 if stopped else collective_exit(code)
+    # a clean stop under torchrun is no failure to report or restart (0), which tandem train's launcher
+    # still learns from the status file (a signal may have reached one worker, not the launcher); other
+    # statuses are collective
+    if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
+        collective_exit(code)
+        code = 0
+    else:
+        code = collective_exit(code)
     group.leave(code)
     return code
 

@@ -487,14 +487,14 @@ def _launch(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         folder.cleanup()
-    if received:
+    if received or code == 130:  # 130: the ranks stopped for a signal that reached one of them, not us
         if args.task == "asr" and any(args.out.glob("checkpoint*.pt")):
             print(
                 f"tandem train: stopped; to continue: {_resume_command(args)}",
                 file=sys.stderr,
                 flush=True,
             )
-        return 128 + received[0]
+        return 128 + received[0] if received else code
     if code != 0 and not said:
         where = (
             f" (with {args.nnodes} nodes: a node that failed or never joined ends the run within "
