@@ -143,3 +143,25 @@ def test_nproc_defaults_to_one_process_per_gpu(monkeypatch, device, gpus, nproc,
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     done = tandem("--resume", "--out", str(tmp_path / "empty"), timeout=60)
     assert done.returncode == 2 and "expected a checkpoint" in done.stderr
+    assert not (tmp_path / "empty").exists()  # refused before anything was made
+
+
+def test_resume_with_fewer_epochs_than_trained_is_refused():
+    """More epochs continue a run; fewer than the checkpoint has trained would end it at once, with the
+    checkpoint of one moment and metrics.json of another."""
+    from tandem.asr.training import TrainConfig, resume_mismatch
+
+    config = TrainConfig(epochs=6)
+    state = {"train_config": config.to_dict(), "world_size": 2, "epoch": 2, "position": 5}
+    assert resume_mismatch(config, 2, state) is None
+    assert resume_mismatch(TrainConfig(epochs=9), 2, state) is None
+    refused = resume_mismatch(TrainConfig(epochs=2), 2, state)
+    assert (
+        refused
+        == "--epochs 2: the checkpoint has trained 2 epochs and 5 batches; resume with --epochs 3 or more"
+    )
+    finished = {**state, "epoch": 6, "position": 0}
+    assert resume_mismatch(config, 2, finished) is None
+    assert "trained 6 epochs; resume with --epochs 6 or more" in resume_mismatch(
+        TrainConfig(epochs=5), 2, finished
+    )

@@ -135,6 +135,14 @@ def resume_mismatch(config: TrainConfig, world_size: int, state: dict[str, Any])
         differ.append(f"processes: checkpoint {state.get('world_size')}, now {world_size}")
     if differ:
         return f"--resume: the run's settings differ from the checkpoint's ({'; '.join(differ)})"
+    # more epochs continue the run; fewer than it has trained would end it with files of two moments
+    epoch, position = int(state.get("epoch", 0)), int(state.get("position", 0))
+    if config.epochs < epoch or (config.epochs == epoch and position > 0):
+        at = f"{epoch} epochs and {position} batches" if position else f"{epoch} epochs"
+        least = epoch + (position > 0)
+        return (
+            f"--epochs {config.epochs}: the checkpoint has trained {at}; resume with --epochs {least} or more"
+        )
     return None
 
 

@@ -188,6 +188,8 @@ def _check_out(out: Path, resume: bool) -> str | None:
     """Why ``out`` cannot take this run's files, or None. Creates the folder, writes nothing else."""
     if out.exists() and not out.is_dir():
         return f"--out {out}: expected a folder, found a file"
+    if resume and not out.exists():
+        return f"--resume: expected a checkpoint at {out / 'checkpoint.pt'}, found no folder {out}"
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".tandem-write-test-"):
