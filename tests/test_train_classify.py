@@ -163,3 +163,16 @@ def test_a_finished_rank_leaves_without_interpreter_shutdown(world, monkeypatch)
     args = type("Args", (), {"device": "cpu", "timeout": 5.0, "threads": 1})()
     assert _train_worker.train(args) == 3
     assert calls == (["destroy", ("exit", 3)] if world == 2 else [])
+
+
+def test_resume_from_a_file_that_is_no_classify_checkpoint_is_one_error(tmp_path):
+    """A truncated file, or a speech-recognition checkpoint: one line and status 2, not a traceback on
+    every rank and torchrun's restarts into it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"PK\x03\x04 truncated")
+    args = ("--nproc", "2", "--epochs", "1", "--hidden", "8", "--layers", "1", "--resume")
+    done = _tandem(*args, "--out", str(out), "--master-port", free_port(), timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"tandem train: error: --resume: {out / 'checkpoint.pt'}: cannot resume from it" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout.count("tandem train: GRU") <= 1

@@ -125,7 +125,14 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
 
     checkpoint_path, history, start_epoch, seconds_before = args.out / "checkpoint.pt", [], 0, 0.0
     if args.resume:
-        checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)
+        try:
+            checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)
+            if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("config"), dict):
+                raise ValueError("not a checkpoint of tandem train --task classify")
+        except Exception as e:  # any unreadable file: one line, exit 2, no torchrun restarts into it
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            _error(lead, f"--resume: {checkpoint_path}: cannot resume from it ({reason})")
+            return 2
         changed = {
             k: (checkpoint["config"].get(k), v)
             for k, v in run_config.items()
