@@ -171,9 +171,12 @@ def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(reference, tmp_path)
     before = load_checkpoint(reference / "checkpoint.pt")["step"]
     done = tandem("--nproc", "1", *TINY, "--epochs", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"{out} held an earlier run's checkpoints; moved to {out / 'previous'}" in done.stdout
+    assert f"{out} held an earlier run's checkpoints and outputs; moved to {out / 'previous'}" in done.stdout
     assert load_checkpoint(out / "previous" / "checkpoint.pt")["step"] == before
     assert load_checkpoint(out / "checkpoint.pt")["world_size"] == 1  # the new run's
+    # the earlier run's metrics went with its checkpoints: what is in the folder is the new run's
+    assert json.loads((out / "previous" / "metrics.json").read_text())["world_size"] == 2
+    assert json.loads((out / "metrics.json").read_text())["world_size"] == 1
 
 
 def test_a_loss_that_becomes_nan_stops_at_once_and_no_nan_is_saved(tmp_path):

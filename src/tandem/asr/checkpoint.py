@@ -205,17 +205,24 @@ class CheckpointStore:
         for p in [*self.numbered(), self.path]:
             p.unlink(missing_ok=True)
 
+    # what else a run leaves in its folder: set aside with its checkpoints, so that a new run's folder
+    # never shows an earlier run's metrics, curves or TensorBoard events beside its own checkpoints
+    RUN_FILES = ("metrics.json", "training_curve.png", "events.out.tfevents.*")
+
     def set_aside(self) -> Path | None:
-        """Move an earlier run's checkpoints into ``previous/`` in the folder (replacing what an even
-        earlier run left there), so that a fresh run starts with none of them and still loses nothing
-        until the next fresh run; the folder they went to, or None if there were none."""
+        """Move an earlier run's checkpoints, and the files it wrote beside them (:attr:`RUN_FILES`), into
+        ``previous/`` in the folder (replacing what an even earlier run left there), so that a fresh run
+        starts with none of them and still loses nothing until the next fresh run; the folder they went
+        to, or None if there were no checkpoints."""
         found = [p for p in [*self.numbered(), self.path] if p.exists()]
         if not found:
             return None
+        found += [p for pattern in self.RUN_FILES for p in self.folder.glob(pattern) if p.is_file()]
         aside = self.folder / "previous"
         if aside.exists():
-            for old in [*CheckpointStore(aside).numbered(), aside / self.path.name]:
-                old.unlink(missing_ok=True)
+            for old in aside.iterdir():
+                if old.is_file():
+                    old.unlink()
         aside.mkdir(exist_ok=True)
         for p in found:
             os.replace(p, aside / p.name)

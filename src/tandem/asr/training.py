@@ -606,8 +606,8 @@ def _starting_state(
             aside = store.set_aside()
             if aside is not None:
                 print(
-                    f"tandem train: {store.folder} held an earlier run's checkpoints; moved to {aside} (to "
-                    "continue a run, use --resume)",
+                    f"tandem train: {store.folder} held an earlier run's checkpoints and outputs; moved to "
+                    f"{aside} (to continue a run, use --resume)",
                     flush=True,
                 )
     return group.broadcast(decision)  # type: ignore[return-value]
