@@ -368,6 +368,8 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             self._caps = [int(bucket_cap_mb * _MB)]
         self.bucket_bytes_cap = self._caps[-1]
+        # what a copy keeps: the settings made so far; everything _set_up makes is rebuilt
+        self._settings = frozenset(self.__dict__) | {"_settings"}
         self._set_up(threaded=True)
         if init_sync:
             self._sync_module_state()
@@ -425,21 +427,11 @@ class DistributedDataParallel(torch.nn.Module):
             for i, p in enumerate(self._params)
         ]
 
-    # what a copy leaves out and rebuilds (_set_up): threads, groups, hooks, buckets, per-step state
-    _RUNTIME = (
-        "process_group", "rank", "world_size", "_src", "_comm_device", "_names", "_params", "_comm_thread",
-        "_comm_group", "_copy_when_done", "_index_of", "_comm_hook", "_comm_state", "_buckets", "_slot",
-        "_rebuilt", "_expect_hooks", "_in_backward", "_sync_buffers_next", "_failure", "_last_stats",
-        "_unreachable", "_used_since_sync", "_handles", "_ready", "_fired", "_order", "_next_bucket",
-        "_unreachable_filled", "_t_backward",
-    )  # fmt: skip
-
     def __getstate__(self) -> dict[str, Any]:
         """As torch's DDP: a copy (``copy.deepcopy``, pickle, ``torch.save``) holds the module and the
         settings; not the process group (the copy takes the default one), nor the communication hook."""
-        state = self.__dict__.copy()
-        for name in self._RUNTIME:
-            state.pop(name, None)
+        state = {name: value for name, value in self.__dict__.items() if name in self._settings}
+        del state["process_group"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
