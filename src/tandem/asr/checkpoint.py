@@ -200,11 +200,6 @@ class CheckpointStore:
                 old.unlink(missing_ok=True)
         return target
 
-    def clear(self) -> None:
-        """Remove every checkpoint of an earlier run in the folder."""
-        for p in [*self.numbered(), self.path]:
-            p.unlink(missing_ok=True)
-
     # what else a run leaves in its folder: set aside with its checkpoints, so that a new run's folder
     # never shows an earlier run's metrics, curves or TensorBoard events beside its own checkpoints
     RUN_FILES = ("metrics.json", "training_curve.png", "events.out.tfevents.*")
