@@ -124,17 +124,26 @@ def _decode(f: BinaryIO, label: str) -> tuple[np.ndarray, int]:
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
 
 
-def _check_samples(waveform: Tensor, label: str) -> None:
+def _check_samples(waveform: Tensor, label: str, channels: Tensor | None = None) -> float:
+    """``waveform``'s peak magnitude, or :class:`AudioError` if it is empty, not finite or silent;
+    ``channels`` (``[C, samples]``), where ``waveform`` is their mix, names loud channels that cancel."""
     if waveform.shape[-1] == 0:
         raise AudioError(f"{label}: empty recording (0 samples)")
     peak = float(waveform.abs().max())
     if not math.isfinite(peak):
         raise AudioError(f"{label}: the recording holds NaN or infinite samples")
     if peak <= SILENCE_PEAK:
+        loudest = float(channels.abs().max()) if channels is not None and channels.shape[0] > 1 else 0.0
+        if loudest > SILENCE_PEAK:  # (a NaN does not compare: the mix would have held it)
+            raise AudioError(
+                f"{label}: its {channels.shape[0]} channels cancel out when mixed to mono (the loudest "
+                f"channel's peak is {loudest:.3g}, the mix's {peak:.3g}); pass one channel"
+            )
         raise AudioError(
             f"{label}: silent recording (peak amplitude {peak:.3g}, not above {SILENCE_PEAK:.3g}, one step "
             "of 16-bit audio); nothing to transcribe"
         )
+    return peak
 
 
 def to_model_input(
@@ -194,15 +203,7 @@ def to_model_input(
         raise ValueError(f"{name}: expected real samples, got dtype {x.dtype}")
     x = x.detach().to(torch.float32)
     mono = x.mean(0) if x.dim() == 2 else x  # [samples]
-    if x.dim() == 2 and x.shape[0] > 1 and x.shape[-1] and float(mono.abs().max()) <= SILENCE_PEAK:
-        loudest = float(x.abs().max())
-        if loudest > SILENCE_PEAK:  # (a NaN does not compare: _check_samples names it)
-            raise AudioError(
-                f"{name}: its {x.shape[0]} channels cancel out when mixed to mono (the loudest channel's "
-                f"peak is {loudest:.3g}, the mix's {float(mono.abs().max()):.3g}); pass one channel"
-            )
-    _check_samples(mono, name)
-    peak = float(mono.abs().max())
+    peak = _check_samples(mono, name, x if x.dim() == 2 else None)
     if peak > LOUDEST:
         mono = mono / peak  # float32's power spectrum would overflow; the features do not see the level
     return resample(mono, int(sample_rate), int(target_rate)).contiguous()
