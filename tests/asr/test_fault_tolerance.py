@@ -52,16 +52,22 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-def test_a_worker_killed_mid_epoch_is_restarted_and_the_run_ends_as_if_not(reference, tmp_path):
+def _signal_rank_1(tmp_path: Path, signum: int) -> tuple[Path, int, str]:
+    """A 2-process run whose rank 1 alone gets ``signum`` after the first checkpoint: (its --out, the
+    launcher's exit status, its log)."""
     out = tmp_path / "run"
     proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
     try:
         wait_for(out / "checkpoint-00000005.pt", proc)
         (victim,) = processes_mentioning(str(out), "LOCAL_RANK=1")
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, signum)
     finally:
         code = finish(proc, out)
-    log = (tmp_path / "log").read_text()
+    return out, code, (tmp_path / "log").read_text()
+
+
+def test_a_worker_killed_mid_epoch_is_restarted_and_the_run_ends_as_if_not(reference, tmp_path):
+    out, code, log = _signal_rank_1(tmp_path, signal.SIGKILL)
     assert code == 0, log[-3000:]
     assert "failed (exitcode: -9)" in log and "resuming at step" in log  # torchrun restarted, we resumed
     _assert_same_run(out, reference)
@@ -97,15 +103,7 @@ def test_a_signal_to_one_worker_stops_the_run_with_status_130(tmp_path):
     """SIGTERM to rank 1 alone (an OOM killer's warning, a cluster's preemption of one process): every rank
     stops after the same step with a checkpoint, and the launcher ends with 130 and says how to continue
     (it once ended with 0, as if the run had finished)."""
-    out = tmp_path / "run"
-    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
-    try:
-        wait_for(out / "checkpoint-00000005.pt", proc)
-        (victim,) = processes_mentioning(str(out), "LOCAL_RANK=1")
-        os.kill(victim, signal.SIGTERM)
-    finally:
-        code = finish(proc, out)
-    log = (tmp_path / "log").read_text()
+    out, code, log = _signal_rank_1(tmp_path, signal.SIGTERM)
     assert code == 130, log[-3000:]
     assert "stopped by a signal after step" in log and "to continue: tandem train" in log
     assert not (out / "metrics.json").exists()
