@@ -79,6 +79,43 @@ def test_hidden_dtype_mismatch_is_a_clear_error():
         tandem.nn.LSTM(5, 7)(torch.randn(4, 2, 5), hx)
 
 
+@pytest.mark.parametrize("proj_size", [0, 3])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("cx_dtype", [torch.float32, torch.float16])
+def test_float64_input_takes_a_narrower_cx_as_torch_does(proj_size: int, packed: bool, cx_dtype: torch.dtype):
+    # torch's native CPU cell (float64 input) promotes c_0 in its first step; a c_0 that came in
+    # narrower gets its gradient back in its own dtype
+    kwargs = dict(num_layers=2, bidirectional=True, proj_size=proj_size, dtype=torch.float64)
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(5, 7, **kwargs)
+    ours = tandem.nn.LSTM(5, 7, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    h0 = torch.randn(4, 3, proj_size or 7, dtype=torch.float64)
+    c0 = torch.randn(4, 3, 7).to(cx_dtype)
+    results = []
+    for module in (ref, ours):
+        hx = (h0.clone().requires_grad_(), c0.clone().requires_grad_())
+        inp = pack_padded_sequence(x, [4, 2, 3], enforce_sorted=False) if packed else x
+        out, (h_n, c_n) = module(inp, hx)
+        out = out.data if packed else out
+        (out.sum() + h_n.square().sum() + c_n.square().sum()).backward()
+        results.append((out, h_n, c_n, hx[0].grad, hx[1].grad))
+    for name, a, b in zip(("output", "h_n", "c_n", "h0.grad", "c0.grad"), *results):
+        assert b.dtype == a.dtype, name
+        torch.testing.assert_close(b, a, msg=name)
+    assert results[1][4].dtype == cx_dtype
+
+
+def test_float64_input_refuses_a_narrower_hx_as_torch_does():
+    hx = (torch.randn(1, 2, 7), torch.randn(1, 2, 7, dtype=torch.float64))
+    x = torch.randn(4, 2, 5, dtype=torch.float64)
+    with pytest.raises(RuntimeError):
+        torch.nn.LSTM(5, 7, dtype=torch.float64)(x, hx)
+    with pytest.raises(RuntimeError, match=r"hx of dtype torch.float64 .* got torch.float32"):
+        tandem.nn.LSTM(5, 7, dtype=torch.float64)(x, hx)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -141,6 +141,7 @@ class LSTM(RNNLayers):
             )
         if len(hx) != 2:
             raise RuntimeError("lstm expects two hidden states")
+        hx = (hx[0], _promoted_cx(rows.data, hx[1]))
         self._check_devices_and_dtypes(rows.data, {"hx": hx[0], "cx": hx[1]})
         self._to_rows(rows)
         dtype = self._autocast_dtype(rows.data)
@@ -178,3 +179,23 @@ class LSTM(RNNLayers):
         elif not rows.batched:
             hidden = (hidden[0].squeeze(1), hidden[1].squeeze(1))
         return self._give_output(rows, layer_input), hidden
+
+
+def _promoted_cx(data: Tensor, cx: Tensor) -> Tensor:
+    """``cx`` in the input's dtype where torch.nn.LSTM's own CPU cell takes it in another.
+
+    For float64 CPU input torch runs its native cell (not oneDNN's), whose first step multiplies ``cx``
+    by the float64 forget gate: a ``cx`` of a dtype that promotes to float64 (float32, say) is taken and
+    ``c_n`` comes out float64. Casting it first gives the same numbers (the widening is exact) and its
+    gradient flows back in its own dtype, as torch's does. Everywhere else a dtype unlike the input's is
+    refused, as torch's cells refuse it.
+    """
+    if (
+        data.device.type == "cpu"
+        and data.dtype == torch.float64
+        and cx.dtype != data.dtype
+        and cx.is_floating_point()
+        and torch.promote_types(cx.dtype, data.dtype) == data.dtype
+    ):
+        return cx.to(data.dtype)
+    return cx
