@@ -177,6 +177,71 @@ def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(reference, tmp_path)
     assert json.loads((out / "metrics.json").read_text())["world_size"] == 1
 
 
+def test_a_second_run_into_the_folder_of_a_running_one_is_refused_and_touches_nothing(tmp_path):
+    """Two runs in one --out (a command run twice, a second terminal): the second would set the first's
+    checkpoints aside under it, or they would overwrite each other's. It is refused while the first runs,
+    with the first's files as they were, and the first goes on to its end."""
+    out = tmp_path / "run"
+    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        first = processes_mentioning(str(out))  # launcher, torchrun, workers
+        for pid in first:  # the first run's files hold still while the second tries
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+            for extra in ((), ("--resume",)):
+                second = tandem("--nproc", "1", *TINY, "--out", str(out), *extra, timeout=60)
+                assert second.returncode == 2, second.stderr[-3000:]
+                assert f"--out {out}: another tandem train is writing to this folder" in second.stderr
+                assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+                assert not (out / "previous").exists()
+        finally:
+            for pid in first:
+                os.kill(pid, signal.SIGCONT)
+        code = proc.wait(120)
+    finally:
+        finish(proc, out)
+    assert code == 0, (tmp_path / "log").read_text()[-3000:]
+    assert (out / "metrics.json").exists()
+    # the first run has ended: the folder is free again
+    again = tandem("--nproc", "1", *TINY, "--out", str(out), "--resume", timeout=120)
+    assert "another tandem train" not in again.stderr
+
+
+@pytest.mark.parametrize(
+    "rank, launched_by_tandem, refused",
+    [("0", False, True), ("1", False, False), ("0", True, False)],
+    ids=["rank-0-by-hand", "rank-1-by-hand", "under-tandems-launcher"],
+)
+def test_under_a_torchrun_started_by_hand_rank_0_holds_the_folder(
+    tmp_path, monkeypatch, capsys, rank, launched_by_tandem, refused
+):
+    """``torchrun -m tandem train`` has no tandem launcher to hold --out: rank 0 holds it. Under tandem's
+    own launcher, which holds it already, and on the other ranks, the workers take no lock."""
+    import fcntl
+
+    from tandem.cli import main as cli_main
+    from tandem.cli import train as train_cli
+
+    worked = []
+    monkeypatch.setattr(train_cli, "_work", lambda args: worked.append(args.out) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    if launched_by_tandem:
+        monkeypatch.setenv(train_cli._OUT_HELD_ENV, "1")
+    else:
+        monkeypatch.delenv(train_cli._OUT_HELD_ENV, raising=False)
+    fd = os.open(tmp_path, os.O_RDONLY)  # another run's hold on the folder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code = cli_main.main(["train", "--out", str(tmp_path)])
+    finally:
+        os.close(fd)
+    assert (code, worked) == ((2, []) if refused else (0, [tmp_path]))
+    assert ("another tandem train is writing to this folder" in capsys.readouterr().err) == refused
+
+
 def test_a_loss_that_becomes_nan_stops_at_once_and_no_nan_is_saved(tmp_path):
     """lr 1e6: the loss becomes NaN within a few steps. The run stops at that step (not at the epoch's
     end, saving NaN weights over the good ones on the way), with one error and no restarts."""

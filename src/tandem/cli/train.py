@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from tandem.cli._args import positive_float, positive_int
@@ -199,6 +200,50 @@ def _check_out(out: Path, resume: bool) -> str | None:
     if resume and not any(out.glob("checkpoint*.pt")):
         return f"--resume: expected a checkpoint at {out / 'checkpoint.pt'}, found none"
     return None
+
+
+# Set for the workers of a launcher that holds --out (see _hold_out).
+_OUT_HELD_ENV = "TANDEM_TRAIN_OUT_HELD"
+
+
+@contextlib.contextmanager
+def _hold_out(out: Path, hold: bool) -> Iterator[str | None]:
+    """Hold ``out`` for this run (if ``hold``) while the block runs: yields why another run holds it, or
+    None.
+
+    Two runs writing one folder would set each other's checkpoints aside or overwrite them, so a run
+    takes an exclusive lock on the folder itself (``flock`` on its descriptor: no lock file is left
+    behind, and the lock goes with the process that held it, however it ends). Only node rank 0 takes
+    it (its launcher, or rank 0 under a torchrun started by hand): the other nodes of the run may share
+    the folder. Where the file system cannot lock a folder the run goes on without one.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield None
+        return
+    if not hold:
+        yield None
+        return
+    try:
+        fd = os.open(out, os.O_RDONLY)
+    except OSError:  # not there yet (a worker started by hand makes it later)
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield (
+                f"--out {out}: another tandem train is writing to this folder; wait for it to end or "
+                "choose another --out"
+            )
+            return
+        except OSError:  # a file system that cannot lock a folder
+            pass
+        yield None
+    finally:
+        os.close(fd)
 
 
 def _check_resume(args: argparse.Namespace) -> str | None:
@@ -397,7 +442,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Validate everything, then train here (under torchrun, or one process) or launch torchrun."""
     args = _with_defaults(args)
     if "WORLD_SIZE" in os.environ:  # we are a torchrun worker: the launcher validated the arguments
-        return _work(args)
+        # started by torchrun directly, not by our launcher (which holds --out): rank 0 holds it
+        holds = os.environ.get("RANK") == "0" and _OUT_HELD_ENV not in os.environ
+        with _hold_out(args.out, holds) as held:
+            return _fail(parser, held) if held else _work(args)
 
     # Everything a run could trip on is checked before anything is written or launched.
     problem = _check_nproc(args) or _check_task_options(args)
@@ -405,10 +453,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _fail(parser, problem)
     if not 0 <= args.node_rank < args.nnodes:
         return _fail(parser, f"--node-rank: expected a value in [0, {args.nnodes - 1}], got {args.node_rank}")
-    problem = _check_out(args.out, args.resume) or _check_resume(args)
+    problem = _check_out(args.out, args.resume)
     if problem:
         return _fail(parser, problem)
+    with _hold_out(args.out, args.node_rank == 0) as held:
+        problem = held or _check_resume(args)
+        if problem:
+            return _fail(parser, problem)
+        return _train_or_launch(args)
 
+
+def _train_or_launch(args: argparse.Namespace) -> int:
     if args.nproc == 1 and args.nnodes == 1:
         code = _work(args)
         if code == 130 and args.task == "asr":  # stopped by a signal, after a checkpoint
@@ -455,7 +510,9 @@ def _launch(args: argparse.Namespace) -> int:
     folder = tempfile.TemporaryDirectory(prefix="tandem-train-")
     exit_file = Path(folder.name) / "exit-status"
     env = dict(
-        os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{EXIT_FILE_ENV: str(exit_file)}
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        **{EXIT_FILE_ENV: str(exit_file), _OUT_HELD_ENV: "1"},
     )
     # a session of its own: a Ctrl-C in the terminal reaches this launcher only, which passes it on once
     proc = subprocess.Popen(
