@@ -523,7 +523,92 @@ def scenario_failure(rank: int, world: int, victim: int, action: str, timeout: f
     return out
 
 
-SCENARIOS = {"main": scenario_main, "failure": scenario_failure}
+# ----------------------------------------------------------------------------------------------
+# uneven inputs: join(), against torch's DDP under the same schedules
+
+
+# name -> (model, DDP options, join options, steps of rank r, the micro-steps under no_sync() per step,
+# the model's forward takes use_c (Branchy: c used on rank 0's even steps))
+JOIN_CASES: dict[str, tuple[Callable[[], torch.nn.Module], dict, dict, Callable[[int], int], int, bool]] = {
+    "default": (mlp, {}, {}, lambda r: 2 + r, 0, False),
+    "divide_by_nonjoined": (mlp, {}, {"divide_by_initial_world_size": False}, lambda r: 2 + r, 0, False),
+    "buffers": (bn_mlp, {}, {}, lambda r: 4 - r, 0, False),  # rank 0, whose buffers lead, joins last
+    "one_param_buckets": (mlp, {"bucket_cap_mb": ONE_BYTE_MB}, {}, lambda r: 1 + 2 * r, 0, False),
+    "unused": (Branchy, {"find_unused_parameters": True}, {}, lambda r: 2 + r, 0, True),
+    "no_sync": (mlp, {}, {}, lambda r: 2 + r, 1, False),
+    "rank_without_data": (Ordered, {}, {}, lambda r: 0 if r == 1 else 3, 0, False),
+    # torch's own all-reduce hook on both wrappers: a joined rank sends it buckets of zeros
+    "comm_hook": (mlp, {"hook": torch_hooks.allreduce_hook}, {}, lambda r: 2 + r, 0, False),
+}
+
+
+def _join_run(
+    wrapper,
+    model,
+    join_options: dict,
+    steps: int,
+    micro: int,
+    use_c: bool,
+    rank: int,
+    world: int,
+    evaluate: bool = False,
+):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with wrapper.join(**join_options):
+        for step in range(steps):
+            if evaluate:  # a forward without grad (validation): no backward follows
+                with torch.no_grad():
+                    wrapper(local(batch(99, world)[0], rank, world))
+            opt.zero_grad()
+            for k in range(micro + 1):
+                x, y = batch(10 * step + k, world)
+                x, y = local(x, rank, world), local(y, rank, world)
+                args = (x, rank == 0 and step % 2 == 0) if use_c else (x,)
+                with wrapper.no_sync() if k < micro else _nullcontext():
+                    loss_fn(wrapper(*args), y).backward()
+            opt.step()
+    return params(model)
+
+
+def scenario_join(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (make, ddp_options, join_options, steps, micro, use_c) in JOIN_CASES.items():
+        try:
+            runs = {}
+            for label, wrap in (("tandem", TandemDDP), ("torch", TorchDDP)):
+                model = make()
+                extra = {"timeout": CHECK_TIMEOUT_S} if wrap is TandemDDP else {}
+                options = dict(ddp_options)
+                hook = options.pop("hook", None)
+                wrapper = wrap(model, **options, **extra)
+                if hook is not None:
+                    wrapper.register_comm_hook(None, hook)
+                runs[label] = _join_run(wrapper, model, join_options, steps(rank), micro, use_c, rank, world)
+            out[name] = runs
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+            break  # the ranks are out of step: the later cases would only time out
+    # a forward without grad inside the join (torch's DDP would have the joined ranks wait for its
+    # backward): the same model as torch's without it
+    model = mlp()
+    wrapper = TandemDDP(model, timeout=CHECK_TIMEOUT_S)
+    evaluated = _join_run(wrapper, model, {}, 2 + rank, 0, False, rank, world, evaluate=True)
+    out["evaluate"] = {"tandem": evaluated, "torch": out["default"]["torch"]}
+    # throw_on_early_termination: every rank raises once the first runs out, with torch's error
+    errors = {}
+    for label, wrap in (("tandem", TandemDDP), ("torch", TorchDDP)):
+        model = mlp()
+        wrapper = wrap(model, **({"timeout": CHECK_TIMEOUT_S} if wrap is TandemDDP else {}))
+        try:
+            _join_run(wrapper, model, {"throw_on_early_termination": True}, 2 + rank, 0, False, rank, world)
+            errors[label] = None
+        except RuntimeError as e:
+            errors[label] = type(e).__name__
+    out["throw"] = errors
+    return out
+
+
+SCENARIOS = {"main": scenario_main, "failure": scenario_failure, "join": scenario_join}
 
 
 def entry(rank: int, world: int, store: str, result_dir: str, scenario: str, options: dict[str, Any]) -> None:

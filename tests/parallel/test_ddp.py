@@ -236,6 +236,31 @@ def test_mismatched_models_rejected_on_every_rank(main_results, case):
         assert "differ across ranks" in msg
 
 
+@pytest.fixture(scope="module")
+def join_results(tmp_path_factory) -> list[dict[str, Any]]:
+    results = run_group(tmp_path_factory.mktemp("ddp-join"), "join", WORLD, timeout_s=100)
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} left no result (crashed or timed out)"
+        assert "fatal" not in res, f"rank {r}: {res.get('fatal')}"
+    return results
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", [*w.JOIN_CASES, "evaluate"])
+def test_join_with_uneven_inputs_equals_torchs_join(join_results, case):
+    """Ranks with different numbers of steps inside ``join()``, wrapped by torch's DDP and by tandem's: the
+    same model on every rank at the end (the last rank to join's), equal to torch's (float64)."""
+    per_rank = check(join_results, case)
+    for res in per_rank:
+        assert_same_state(res["tandem"], res["torch"], **TIGHT)
+        assert_same_state(res["tandem"], per_rank[0]["tandem"], rtol=0, atol=0)
+
+
+def test_join_throw_on_early_termination_raises_on_every_rank_as_torchs(join_results):
+    for res in join_results:
+        assert res["throw"] == {"tandem": "RuntimeError", "torch": "RuntimeError"}
+
+
 @pytest.mark.timeout(60)
 def test_rank_killed_mid_backward_makes_the_others_raise(tmp_path):
     timeout = 5.0

@@ -27,6 +27,8 @@ __all__ = [
     "watch",
     "wait_event",
     "result",
+    "all_reduce",
+    "wait_work",
     "broadcast_coalesced",
     "check_same_on_all_ranks",
 ]
@@ -112,6 +114,24 @@ def _run(work: dist.Work, deadline: float, what: str, timeout: float, who: str):
     fut = work.get_future()
     wait_event(watch(fut), deadline, what, timeout, who)
     return result(fut, what, who)
+
+
+def wait_work(work: dist.Work, timeout: float, what: str, who: str = "DistributedDataParallel"):
+    """The value of the collective ``work`` (its output tensors), waiting ``timeout`` seconds at most."""
+    return _run(work, time.monotonic() + timeout, what, timeout, who)
+
+
+def all_reduce(
+    tensor: Tensor,
+    group: dist.ProcessGroup | None,
+    timeout: float,
+    what: str,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    who: str = "DistributedDataParallel",
+) -> None:
+    """``tensor`` all-reduced in place over ``group``, waiting ``timeout`` seconds at most."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    _run(work, time.monotonic() + timeout, what, timeout, who)
 
 
 def broadcast_coalesced(

@@ -19,6 +19,10 @@ How a synchronised step runs:
    happened yet (or ``.grad`` already is a view of the bucket with ``gradient_as_bucket_view=True``).
 4. After the first synchronised backward the buckets are rebuilt in the order gradients actually
    became ready (rank 0's order, broadcast, so every rank cuts the same buckets).
+5. Under ``join()`` (uneven inputs, torch's ``Join`` protocol) each forward first tells the others that
+   this rank still trains and whether its step synchronises; a rank out of data answers every such step
+   with the same collectives (buffers, zeros for each bucket and the used map) until all have joined,
+   and then every rank takes the model of the last to finish.
 """
 
 from __future__ import annotations
@@ -40,17 +44,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.futures import Future
 
 from tandem.parallel.buckets import GradBucket, bucket_assignment
 from tandem.parallel.comm import (
     DEFAULT_TIMEOUT_S,
     CommunicationError,
+    all_reduce,
     broadcast_coalesced,
     check_same_on_all_ranks,
     result,
     timeout_seconds,
     wait_event,
+    wait_work,
 )
 
 __all__ = ["DistributedDataParallel", "DDPStats", "DEFAULT_TIMEOUT_S"]
@@ -73,6 +80,9 @@ _DEFAULT_BUCKET_CAP_MB = 25
 # 25 MB of the layers below them.
 _FIRST_BUCKET_BYTES = 1 * _MB
 _MIN_BUCKETS = 16
+# what a timeout names: the all-reduce by which the ranks still training tell the joined ones whether a
+# step's backward all-reduces
+_JOIN_STEP_FLAG = "the join's step flag (synchronised or not)"
 
 
 @dataclass(frozen=True)
@@ -205,7 +215,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(torch.nn.Module, Joinable):
     r"""Data-parallel training: torch's ``DistributedDataParallel`` API, gradients averaged over ranks.
 
     Every rank wraps the same model; after ``loss.backward()`` each parameter's ``.grad`` is the
@@ -310,6 +320,8 @@ class DistributedDataParallel(torch.nn.Module):
         if broadcast_buffers is not None and _TORCH_DEPRECATES_BROADCAST_BUFFERS:
             warnings.warn(_BROADCAST_BUFFERS_DEPRECATED, FutureWarning, stacklevel=2)
         super().__init__()
+        Joinable.__init__(self)  # join() sets its configuration
+        self._divide_by_initial_world_size = True
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
                 f"DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}"
@@ -420,6 +432,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._last_stats: DDPStats | None = None
         self._unreachable: list[int] = []
         self._used_since_sync = bytearray(n)
+        # what gradients are divided by: the world, or under join(divide_by_initial_world_size=False) the
+        # ranks that have not joined (counted at each forward)
+        self._grad_divisor = self.world_size
         self._reset_iteration()
         me = weakref.ref(self)
         self._handles = [
@@ -548,22 +563,20 @@ class DistributedDataParallel(torch.nn.Module):
                 "DistributedDataParallel: an earlier collective failed, so the process group can no longer "
                 f"be trusted: {self._failure}"
             ) from self._failure
-        if self._sync_buffers_next and self.forward_sync_buffers and self.world_size > 1:
-            buffers = [t for _, t in self._shared_buffers(True)]
-            if buffers:
-                self._guarded(
-                    broadcast_coalesced,
-                    buffers,
-                    self._src,
-                    self.process_group,
-                    self.timeout,
-                    "the broadcast of rank 0's buffers before forward",
-                )
+        joining = self._join_config.enable
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if joining:
+            self._count_nonjoined(Join.notify_join_context(self))
+        self._sync_buffers_before_forward(joined=False)
+        if joining:
+            # tells the joined ranks whether this step's backward all-reduces (torch sends 1 whenever
+            # require_backward_grad_sync is set; here a forward without grad says 0, as it has no backward)
+            flag = torch.tensor([float(sync)], device=self._comm_device)
+            self._guarded(all_reduce, flag, self.process_group, self.timeout, _JOIN_STEP_FLAG)
         if self.device_ids is not None:
             device = torch.device(self._comm_device.type, self.device_ids[0])
             inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
         output = self.module(*inputs, **kwargs)
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._sync_buffers_next = sync  # as torch: buffers follow rank 0 before a synchronised step
         if sync:
             self._expect_hooks = True
@@ -613,11 +626,157 @@ class DistributedDataParallel(torch.nn.Module):
             raise RuntimeError("register_comm_hook: cannot register a hook during backward")
         self._comm_state, self._comm_hook = state, hook
 
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """A context manager for uneven inputs, as torch's ``join()``: a rank whose data ran out leaves the
+        loop and, at the end of the ``with`` block, takes part in the collectives of the ranks still
+        training (zeros for its gradients) until they are all done; then every rank takes the model of
+        the last rank to finish.
+
+        Args:
+            divide_by_initial_world_size: average the gradients over the whole world (joined ranks count
+                as zeros), or, if False, over the ranks that have not joined.
+            enable: False makes the context manager do nothing (even inputs).
+            throw_on_early_termination: raise ``RuntimeError`` on every rank as soon as one runs out.
+
+        Collectives that the model itself issues in forward or backward (a ``SyncBatchNorm``'s) have no
+        counterpart on a joined rank: as with torch's, such a model cannot train on uneven inputs.
+
+        Example::
+
+            >>> with ddp.join():
+            ...     for x, y in loader:               # a different number of batches on each rank
+            ...         loss_fn(ddp(x), y).backward()
+            ...         optimizer.step(); optimizer.zero_grad()
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a :class:`~torch.distributed.algorithms.Join` runs on this rank once it has joined:
+        each step of the others shadowed, then the final model taken (``divide_by_initial_world_size``
+        as in :meth:`join`)."""
+        return _DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._comm_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers (as torch's method tells)."""
+        return bool(self._sync_buffers_next and self.forward_sync_buffers and self._shared_buffers(True))
+
     def stats(self) -> DDPStats:
         """Timings and bytes of the last synchronised backward (see :class:`DDPStats`)."""
         if self._last_stats is None:
             raise RuntimeError("DistributedDataParallel.stats(): no synchronised backward has run yet")
         return self._last_stats
+
+    # ------------------------------------------------------------------------------------------
+    # buffers before forward, and uneven inputs (join)
+
+    def _sync_buffers_before_forward(self, joined: bool) -> None:
+        """Broadcast the shared buffers before a synchronised step's forward: rank 0's, or in a join the
+        highest rank that has not joined (rank 0 may have, with stale statistics)."""
+        if not (self._sync_buffers_next and self.forward_sync_buffers and self.world_size > 1):
+            return
+        buffers = [t for _, t in self._shared_buffers(True)]
+        if not buffers:
+            return
+        src = self._common_rank(not joined) if self._join_config.enable else self._src
+        self._guarded(
+            broadcast_coalesced,
+            buffers,
+            src,
+            self.process_group,
+            self.timeout,
+            "the broadcast of buffers before forward",
+        )
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest group rank among the candidates, as a global rank (one all-reduce)."""
+        rank = torch.tensor([self.rank if candidate else -1], device=self._comm_device)
+        what = "the all-reduce choosing the rank to copy from (join)"
+        self._guarded(all_reduce, rank, self.process_group, self.timeout, what, dist.ReduceOp.MAX)
+        chosen = int(rank.item())
+        if chosen < 0:
+            raise RuntimeError("DistributedDataParallel: no rank could be chosen to copy the model from")
+        return dist.get_global_rank(self.process_group, chosen) if self.process_group is not None else chosen
+
+    def _count_nonjoined(self, work: dist.Work | None) -> None:
+        """The divisor of this step's gradients: the world, or the ranks still training (``work``: the
+        join's all-reduce of ones) under ``divide_by_initial_world_size=False``."""
+        self._grad_divisor = self.world_size
+        if work is not None and not self._divide_by_initial_world_size:
+            what = "the join's count of ranks still training"
+            (count,) = self._guarded(wait_work, work, self.timeout, what)
+            self._grad_divisor = int(count.item())
+
+    def _shadow_step(self) -> None:
+        """On a joined rank: the collectives of one step of the ranks still training, in their order
+        (buffers, the step flag, then zeros for every bucket and the used-parameter map, and the bucket
+        rebuild after the first synchronised step)."""
+        self._sync_buffers_before_forward(joined=True)
+        flag = torch.zeros(1, device=self._comm_device)
+        self._guarded(all_reduce, flag, self.process_group, self.timeout, _JOIN_STEP_FLAG)
+        sync = bool(flag.item())
+        self._sync_buffers_next = sync
+        if not sync:
+            return
+        for bucket in self._buckets:
+            self._submit(functools.partial(self._launch, bucket, True))
+        ops = []
+        if self.find_unused_parameters:
+            op = _Op()
+            counts = torch.zeros(len(self._params), dtype=torch.int32, device=self._comm_device)
+            self._submit(functools.partial(op.all_reduce, counts, self._comm_group))
+            ops.append(op)
+        deadline = time.monotonic() + self.timeout
+        try:
+            for b in self._buckets:
+                what = f"the all-reduce of gradient bucket {b.index} (zeros, for a joined rank)"
+                self._guarded(wait_event, b.event, deadline, what, self.timeout)
+                if b.error is not None:
+                    raise b.error
+                self._guarded(result, b.future, what)
+            for op in ops:
+                what = "the all-reduce of the used-parameter map (zeros, for a joined rank)"
+                self._guarded(wait_event, op.event, deadline, what, self.timeout)
+                if op.error is not None:
+                    raise op.error
+                self._guarded(result, op.future, what)
+        finally:
+            self._reset_iteration()
+        if not self._rebuilt:
+            self._rebuild([])
+
+    def _sync_final_model(self, last_joiner: bool) -> None:
+        """After a join: every rank takes the parameters (and shared buffers) of the last rank to join."""
+        if self.world_size == 1:
+            return
+        src = self._common_rank(last_joiner)
+        params = [t for n, t in self.module.named_parameters() if n not in self._ignored]
+        state = params + [t for _, t in self._shared_buffers(self.forward_sync_buffers)]
+        self._guarded(
+            broadcast_coalesced,
+            [t.detach() for t in state],
+            src,
+            self.process_group,
+            self.timeout,
+            "the broadcast of the final model after a join",
+        )
 
     # ------------------------------------------------------------------------------------------
     # backward machinery
@@ -699,7 +858,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         # Without a hook the average is taken here, on the copy (torch's reducer does the same); a hook
         # receives raw gradients and divides itself.
-        scale = 1.0 / self.world_size if self._comm_hook is None else 1.0
+        scale = 1.0 / self._grad_divisor if self._comm_hook is None else 1.0
         if repoint and grad is not None and len(bucket.members) == 1 and grad.is_contiguous():
             # Only for a gradient of this backward: one counted as unused must stay untouched if no
             # rank used it, so it goes through the buffer.
@@ -737,16 +896,27 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             task()
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: _Bucket, zeros: bool = False) -> None:
         try:
-            self._start(bucket)
+            self._start(bucket, zeros)
         except Exception as e:  # kept for the waiting thread (this may be the communication thread)
             bucket.error = e
             bucket.event.set()
 
-    def _start(self, bucket: _Bucket) -> None:
+    def _start(self, bucket: _Bucket, zeros: bool = False) -> None:
+        """Start ``bucket``'s all-reduce (or hook); ``zeros``: a joined rank's, of zeros, not copied back."""
         bucket.launch_t = time.perf_counter()
-        target = bucket.target()
+        if zeros:
+            target = torch.zeros(bucket.numel, dtype=bucket._dtype, device=bucket._device)
+            views = list(target.split([s.numel() for s in bucket._shapes]))
+            views = [v.view(s) for v, s in zip(views, bucket._shapes)]
+        else:
+            target = bucket.target()
+            views = (
+                [target.view(self._params[bucket.members[0]].shape)]
+                if bucket.direct is not None
+                else list(bucket.views)
+            )
         if self._comm_hook is None:
             fut = dist.all_reduce(target, group=self._comm_group, async_op=True).get_future()
             bucket.sent_bytes = bucket.nbytes
@@ -754,9 +924,7 @@ class DistributedDataParallel(torch.nn.Module):
             grad_bucket = GradBucket(
                 bucket.index,
                 target,
-                [target.view(self._params[bucket.members[0]].shape)]
-                if bucket.direct is not None
-                else list(bucket.views),
+                views,
                 [self._params[i] for i in bucket.members],
                 bucket.index == len(self._buckets) - 1,
             )
@@ -777,7 +945,7 @@ class DistributedDataParallel(torch.nn.Module):
             sent = grad_bucket._sent_bytes
             bucket.sent_bytes = bucket.nbytes if sent is None else sent
         bucket.future = fut
-        fut.add_done_callback(functools.partial(_bucket_done, weakref.ref(self), bucket))
+        fut.add_done_callback(functools.partial(_bucket_done, None if zeros else weakref.ref(self), bucket))
 
     def _finish_backward(self) -> None:
         t_local_end = time.perf_counter()
@@ -1039,11 +1207,12 @@ def _output_grad_hook(ref: weakref.ref, grad: Tensor) -> None:
         ddp._begin_backward()
 
 
-def _bucket_done(ref: weakref.ref, bucket: _Bucket, fut: Future) -> None:
-    """Runs on the thread that completed a bucket's all-reduce (or hook): copy back, then tell."""
+def _bucket_done(ref: weakref.ref | None, bucket: _Bucket, fut: Future) -> None:
+    """Runs on the thread that completed a bucket's all-reduce (or hook): copy back, then tell (``ref``
+    None: a joined rank's zeros, nothing to copy)."""
     bucket.done_t = time.perf_counter()
     try:
-        ddp = ref()
+        ddp = ref() if ref is not None else None
         if ddp is not None and ddp._copy_when_done:
             ddp._copy_out(bucket, fut.value(), None)  # value() raises if the all-reduce failed
             bucket.copied = True
@@ -1057,3 +1226,18 @@ def _backward_done(ref: weakref.ref) -> None:
     ddp = ref()
     if ddp is not None:
         ddp._finish_backward()
+
+
+class _DDPJoinHook(JoinHook):
+    """What a joined rank does in a :meth:`DistributedDataParallel.join` (torch's protocol): shadow each
+    step of the ranks still training, then take the last one's model."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.ddp._shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._sync_final_model(is_last_joiner)
