@@ -269,3 +269,103 @@ def test_dropout_set_out_of_range_after_construction_is_torchs_error(torch_cls, 
             except Exception as e:
                 outcomes.append((type(e), str(e)))
         assert outcomes[1] == outcomes[0], (layers, training)
+
+
+class _Counted(torch.nn.Module):
+    """A parametrization that counts its calls and moves its state at each (as spectral_norm's power
+    iteration does in training): the number of calls a forward makes shows in the numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return w * (1 + 0.1 * self.calls)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_parametrized_weights_are_evaluated_as_often_as_in_torch(torch_cls, tandem_cls):
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    kwargs = dict(num_layers=2, bidirectional=True, dtype=torch.float64)
+    ref, ours = torch_cls(5, 6, **kwargs), tandem_cls(5, 6, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    for module in (ref, ours):
+        parametrize.register_parametrization(module, "weight_hh_l0", _Counted())
+        torch.manual_seed(4)  # spectral_norm's first vectors
+        spectral_norm(module, "weight_ih_l1_reverse")
+    x = torch.randn(7, 3, 5, dtype=torch.float64)
+    for _ in range(3):
+        expected, got = ref(x)[0], ours(x)[0]
+        torch.testing.assert_close(got, expected)
+    state = lambda m: {k: v for k, v in m.state_dict().items() if "parametrizations" in k}  # noqa: E731
+    for (name, a), b in zip(state(ref).items(), state(ours).values()):
+        torch.testing.assert_close(b, a, msg=name)  # the counter, spectral_norm's u and v
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_functional_call_with_parameters_of_another_dtype_as_torch(torch_cls, tandem_cls):
+    ref, ours = torch_cls(5, 6, bidirectional=True), tandem_cls(5, 6, bidirectional=True)
+    ours.load_state_dict(ref.state_dict())
+    params = {k: v.double() for k, v in ref.named_parameters()}
+    x = torch.randn(7, 3, 5, dtype=torch.float64)
+    expected = torch.func.functional_call(ref, params, (x,))[0]
+    got = torch.func.functional_call(ours, params, (x,))[0]
+    assert got.dtype == expected.dtype == torch.float64
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(ours(x.float())[0], ref(x.float())[0])  # its own parameters again
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(
+    "param_dtype, input_dtype",
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
+def test_cpu_autocast_gives_torchs_numbers(torch_cls, tandem_cls, packed, param_dtype, input_dtype):
+    """Under CPU autocast torch's CPU layers compute their products in bfloat16 and take mixed dtypes:
+    the same numbers and dtypes, bit for bit."""
+    kwargs = dict(num_layers=2, bidirectional=True, dtype=param_dtype)
+    if torch_cls is torch.nn.LSTM:
+        kwargs["proj_size"] = 4 if packed else 0
+    ref, ours = torch_cls(5, 6, **kwargs), tandem_cls(5, 6, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 3, 5).to(input_dtype)
+    inp = torch.nn.utils.rnn.pack_padded_sequence(x, [7, 5, 2]) if packed else x
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = ref(inp)[0], ours(inp)[0]
+    if packed:
+        expected, got = expected.data, got.data
+    assert got.dtype == expected.dtype
+    assert torch.equal(got, expected)
+
+
+SETTINGS_CHANGED = {
+    "fewer-layers": (dict(num_layers=2), dict(num_layers=1)),
+    "more-layers": (dict(num_layers=2), dict(num_layers=3)),
+    "bias-dropped": (dict(), dict(bias=False)),
+    "bias-added": (dict(bias=False), dict(bias=True)),
+    "one-direction": (dict(bidirectional=True), dict(bidirectional=False)),
+    "two-directions": (dict(), dict(bidirectional=True)),
+    "hidden-size": (dict(), dict(hidden_size=8)),
+}
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+@pytest.mark.parametrize("name", list(SETTINGS_CHANGED))
+def test_settings_changed_after_construction_are_a_runtime_error(torch_cls, tandem_cls, name):
+    """Settings that no longer describe the weights: torch's GRU raises a RuntimeError (its LSTM raises
+    or computes with the weights it finds); tandem's layers raise one, naming the weight, for both."""
+    made, changed = SETTINGS_CHANGED[name]
+    ref, ours = torch_cls(4, 6, **made), tandem_cls(4, 6, **made)
+    x = torch.randn(5, 3, 4)
+    for module in (ref, ours):
+        for key, value in changed.items():
+            setattr(module, key, value)
+    if torch_cls is torch.nn.GRU:
+        with pytest.raises(RuntimeError):
+            ref(x)
+    with pytest.raises(RuntimeError, match=r"settings \(.*\) do not describe its weights: \w+ should"):
+        ours(x)

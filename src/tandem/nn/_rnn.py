@@ -51,22 +51,81 @@ class Rows:
 class RNNLayers(torch.nn.RNNBase):
     """``torch.nn.RNNBase`` plus the plumbing of a packed-rows RNN module; subclasses own the hidden state."""
 
+    def _current_weights(self) -> dict[str, Tensor]:
+        """The weights by name, as torch's forward takes them: its cache refreshed first
+        (``_update_flat_weights``), so that ``torch.func.functional_call``'s tensors are seen and a
+        parametrization (``spectral_norm`` on ``weight_hh_l0``) runs as many times a forward as in
+        torch's. Attributes changed after construction that no longer describe the weights
+        (``num_layers``, ``bidirectional``, ``bias``, ``hidden_size``, ``proj_size``, ``input_size``)
+        are a RuntimeError, as in torch's GRU (whose LSTM raises or computes with what it finds)."""
+        self._update_flat_weights()
+        weights = dict(zip(self._flat_weights_names, self._flat_weights))
+        gates = {"GRU": 3, "LSTM": 4}[self.mode] * self.hidden_size
+        out = self.proj_size or self.hidden_size
+        suffixes = ("", "_reverse") if self.bidirectional else ("",)
+        expected: dict[str, tuple[int, ...]] = {}
+        for layer in range(self.num_layers):
+            width = self.input_size if layer == 0 else len(suffixes) * out
+            for s in suffixes:
+                expected[f"weight_ih_l{layer}{s}"] = (gates, width)
+                expected[f"weight_hh_l{layer}{s}"] = (gates, out)
+                if self.bias:
+                    expected[f"bias_ih_l{layer}{s}"] = (gates,)
+                    expected[f"bias_hh_l{layer}{s}"] = (gates,)
+                if self.proj_size:
+                    expected[f"weight_hr_l{layer}{s}"] = (self.proj_size, self.hidden_size)
+        for name in dict.fromkeys([*expected, *weights]):
+            want = expected.get(name)
+            got = weights.get(name)
+            if want is None or got is None or tuple(got.shape) != want:
+                settings = ", ".join(
+                    f"{k}={getattr(self, k)}"
+                    for k in ("input_size", "hidden_size", "num_layers", "bias", "bidirectional", "proj_size")
+                    if k != "proj_size" or self.mode == "LSTM"
+                )
+                raise RuntimeError(
+                    f"{self.mode}: the module's settings ({settings}) do not describe its weights: "
+                    f"{name} should {'not exist' if want is None else f'have shape {list(want)}'}, "
+                    f"{'it is missing' if got is None else f'it has {list(got.shape)}'} (were the settings "
+                    "changed after construction? make a new module instead)"
+                )
+        return weights
+
     def _layer_weights(
-        self, layer: int, names: tuple[str, ...], dtype: torch.dtype | None = None
+        self,
+        weights: dict[str, Tensor],
+        layer: int,
+        names: tuple[str, ...],
+        dtype: torch.dtype | None = None,
     ) -> tuple[Tensor | None, ...]:
-        """The layer's parameters ``names`` stacked over directions (``[D, ...]``), None where absent;
-        cast to ``dtype`` if given (autocast: the gradients flow back to the parameters' dtype)."""
+        """The layer's parameters ``names`` (of ``weights``, :meth:`_current_weights`) stacked over
+        directions (``[D, ...]``), None where absent; cast to ``dtype`` if given (autocast: the gradients
+        flow back to the parameters' dtype)."""
         suffixes = ("", "_reverse") if self.bidirectional else ("",)
         stacked: list[Tensor | None] = []
         for name in names:
             if (name.startswith("bias") and not self.bias) or (name == "weight_hr" and not self.proj_size):
                 stacked.append(None)
                 continue
-            # getattr each call, so torch.func.functional_call and reassigned parameters are honoured
-            per_direction = [getattr(self, f"{name}_l{layer}{s}") for s in suffixes]
+            per_direction = [weights[f"{name}_l{layer}{s}"] for s in suffixes]
             weight = per_direction[0].unsqueeze(0) if len(suffixes) == 1 else torch.stack(per_direction)
             stacked.append(weight if dtype is None else weight.to(dtype))
         return tuple(stacked)
+
+    @staticmethod
+    def _under_cpu_autocast(input: Tensor | PackedSequence) -> bool:
+        """Whether ``input`` goes to tandem's plain-PyTorch CPU kernel under CPU autocast. torch's CPU
+        layers then run their matrix products in the autocast dtype (and take inputs and parameters of
+        mixed dtypes), which that kernel does not: these calls run torch's own forward, for torch's
+        numbers. (Under Triton's interpreter, CPU tensors take the Triton kernels and autocast's
+        meaning for them: :meth:`_autocast_dtype`.)"""
+        data = input.data if isinstance(input, PackedSequence) else input
+        return (
+            isinstance(data, Tensor)
+            and data.device.type == "cpu"
+            and torch.is_autocast_enabled("cpu")
+            and not use_triton(data)
+        )
 
     @staticmethod
     def _autocast_dtype(data: Tensor) -> torch.dtype | None:
@@ -74,8 +133,8 @@ class RNNLayers(torch.nn.RNNBase):
 
         Where tandem runs its Triton kernels (CUDA), autocast makes the layers run in its dtype, as it
         does cuDNN's RNNs: float32 input, states and parameters are cast on the way in and the
-        gradients flow back in float32. The plain-PyTorch CPU kernel stays in float32, as
-        torch.nn.GRU's output does under CPU autocast. Inputs other than float32 are never cast.
+        gradients flow back in float32. Inputs other than float32 are never cast. (On the CPU under
+        CPU autocast the layers are torch's own: :meth:`_under_cpu_autocast`.)
         """
         device = data.device.type
         if data.dtype != torch.float32 or not use_triton(data) or not torch.is_autocast_enabled(device):

@@ -67,8 +67,9 @@ class GRU(RNNLayers):
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: Tensor | None = None
     ) -> tuple[Tensor | PackedSequence, Tensor]:
-        if not isinstance(self.bidirectional, bool):
-            return self._torch_forward(input, hx)  # raises torch's error
+        if not isinstance(self.bidirectional, bool) or self._under_cpu_autocast(input):
+            return self._torch_forward(input, hx)  # torch's error, or torch's mixed-precision numbers
+        weights_now = self._current_weights()
         num_directions = 2 if self.bidirectional else 1
         rows = self._take_input(input)
         if hx is not None:
@@ -99,7 +100,9 @@ class GRU(RNNLayers):
         layer_input = rows.data
         for layer in range(self.num_layers):
             h0 = hx[layer * num_directions : (layer + 1) * num_directions]
-            weights = self._layer_weights(layer, ("weight_ih", "weight_hh", "bias_ih", "bias_hh"), dtype)
+            weights = self._layer_weights(
+                weights_now, layer, ("weight_ih", "weight_hh", "bias_ih", "bias_hh"), dtype
+            )
             formulas = needs_formulas(rows.mini_batch, layer_input, h0, *weights)
             run_layer = gru_layer_autograd if formulas else gru_layer
             layer_input, h_last = run_layer(layer_input, rows.batch_sizes, h0, *weights)

@@ -95,21 +95,25 @@ class LSTM(RNNLayers):
             return hx
         return hx[0].index_select(1, permutation), hx[1].index_select(1, permutation)
 
-    def _direction_weights(self, layer: int) -> list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]]:
-        """``(w_ih, w_hh, b_ih, b_hh)`` of each direction of ``layer``, the parameters themselves."""
+    def _direction_weights(
+        self, weights: dict[str, Tensor], layer: int
+    ) -> list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]]:
+        """``(w_ih, w_hh, b_ih, b_hh)`` of each direction of ``layer``, the parameters themselves (of
+        ``weights``, :meth:`_current_weights`)."""
         suffixes = ("", "_reverse") if self.bidirectional else ("",)
         names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if self.bias else ())
-        weights = []
+        directions = []
         for s in suffixes:
-            ws = [getattr(self, f"{n}_l{layer}{s}") for n in names]
-            weights.append((*ws, None, None) if not self.bias else tuple(ws))
-        return weights
+            ws = [weights[f"{n}_l{layer}{s}"] for n in names]
+            directions.append((*ws, None, None) if not self.bias else tuple(ws))
+        return directions
 
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
-        if not isinstance(self.bidirectional, bool):
-            return self._torch_forward(input, hx)  # raises torch's error
+        if not isinstance(self.bidirectional, bool) or self._under_cpu_autocast(input):
+            return self._torch_forward(input, hx)  # torch's error, or torch's mixed-precision numbers
+        weights_now = self._current_weights()
         num_directions = 2 if self.bidirectional else 1
         out_size = self.proj_size if self.proj_size > 0 else self.hidden_size
         rows = self._take_input(input)
@@ -159,11 +163,12 @@ class LSTM(RNNLayers):
         for layer in range(self.num_layers):
             span = slice(layer * num_directions, (layer + 1) * num_directions)
             if onednn:
+                directions = self._direction_weights(weights_now, layer)
                 layer_input, h_last, c_last = lstm_layer_onednn(
-                    layer_input, rows.mini_batch, hx[0][span], hx[1][span], self._direction_weights(layer)
+                    layer_input, rows.mini_batch, hx[0][span], hx[1][span], directions
                 )
             else:
-                weights = self._layer_weights(layer, names, dtype)
+                weights = self._layer_weights(weights_now, layer, names, dtype)
                 formulas = needs_formulas(rows.mini_batch, layer_input, hx[0][span], hx[1][span], *weights)
                 run_layer = lstm_layer_autograd if formulas else lstm_layer
                 layer_input, h_last, c_last = run_layer(
