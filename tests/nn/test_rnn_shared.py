@@ -369,3 +369,27 @@ def test_settings_changed_after_construction_are_a_runtime_error(torch_cls, tand
             ref(x)
     with pytest.raises(RuntimeError, match=r"settings \(.*\) do not describe its weights: \w+ should"):
         ours(x)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("training", [False, True])
+def test_torch_jit_trace_with_its_check_as_torch(torch_cls, tandem_cls, bidirectional, training):
+    """torch.jit.trace's default check re-runs the module without grad and compares the graphs: what a
+    trace records must not depend on the grad mode. The traced module computes and trains as torch's."""
+    import warnings
+
+    ref, ours = torch_cls(4, 6, bidirectional=bidirectional), tandem_cls(4, 6, bidirectional=bidirectional)
+    ours.load_state_dict(ref.state_dict())
+    ref.train(training), ours.train(training)
+    x = torch.randn(5, 3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace is deprecated (torch 2.13)
+        traced_ref, traced = torch.jit.trace(ref, (x,)), torch.jit.trace(ours, (x,))
+    y = torch.randn(7, 3, 4)  # another length than the trace's
+    expected, got = traced_ref(y)[0], traced(y)[0]
+    torch.testing.assert_close(got, expected)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)

@@ -45,8 +45,10 @@ def gru(
     """
     _check_args(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
     y, h_n, *_ = torch.ops.tandem.gru_fwd(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
-    if h0.shape[0] == 1 and y.requires_grad:
-        y = y.clone()  # one direction: the op saved y as the states; the caller may change this in place
+    # one direction: the op saved y as the states; the caller may change this in place (a trace clones
+    # whatever the grad mode, so that torch.jit.trace's check, run without grad, sees the same graph)
+    if h0.shape[0] == 1 and (y.requires_grad or torch.jit.is_tracing()):
+        y = y.clone()
     return y, h_n
 
 

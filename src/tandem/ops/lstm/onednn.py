@@ -55,9 +55,11 @@ def lstm_layer_onednn(
     x3 = x.reshape(steps, batch, x.shape[1]).contiguous()
     h0, c0 = h0.contiguous(), c0.contiguous()
     hid = c0.shape[-1]
-    # the workspace (the saved gates) is only built when a backward can follow
-    train = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, h0, c0, *(w for ws in weights for w in ws))
+    # the workspace (the saved gates) is only built when a backward can follow; a trace always builds it
+    # (the traced graph may train, and torch.jit.trace's check runs without grad: the same graph)
+    train = torch.jit.is_tracing() or (
+        torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (x, h0, c0, *(w for ws in weights for w in ws)))
     )
     ys, hs, cs = [], [], []
     for d, (w_ih, w_hh, b_ih, b_hh) in enumerate(weights):
