@@ -389,6 +389,22 @@ def test_differentiable_refuses_an_lr_that_requires_grad():
         step(Adagrad)
 
 
+def test_a_tensor_lr_of_several_elements_set_later_is_torchs_type_error_and_changes_nothing():
+    def make(cls):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=0.1)
+        opt.param_groups[0]["lr"] = torch.tensor([0.1, 0.2])
+        p.grad = torch.ones(3)
+        return opt, p
+
+    assert _raised(make(torch.optim.Adagrad)[0].step)[0] is TypeError
+    opt, p = make(Adagrad)
+    with pytest.raises(TypeError, match=r"lr as a number or a 1-element tensor, got a tensor of shape \[2\]"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+    assert opt.state[p]["step"].item() == 0 and torch.equal(opt.state[p]["sum"], torch.zeros(3))
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"foreach": True}, {"weight_decay": 0.1, "maximize": True, "lr_decay": 0.1}, {"tol": 1e-3}],

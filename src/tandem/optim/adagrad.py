@@ -267,6 +267,13 @@ class Adagrad(Optimizer):
                 if group["fused"] and any(g.is_sparse or torch.is_complex(p) for p, g in zip(params, grads)):
                     raise RuntimeError("`fused` does not support sparse grad or complex param")
                 lr = group["lr"]
+                if isinstance(lr, Tensor) and lr.numel() != 1:
+                    # a tensor lr set in param_groups after construction: torch's update refuses it with
+                    # a TypeError (its addcdiv_ takes a number)
+                    raise TypeError(
+                        f"Adagrad: expected lr as a number or a 1-element tensor, got a tensor of shape "
+                        f"{list(lr.shape)}"
+                    )
                 if group["differentiable"] and isinstance(lr, Tensor) and lr.requires_grad:
                     # torch's update takes lr as a number there (its addcdiv_ refuses a tensor value): a
                     # gradient with respect to lr would silently be lost
