@@ -393,3 +393,22 @@ def test_torch_jit_trace_with_its_check_as_torch(torch_cls, tandem_cls, bidirect
     got.square().sum().backward()
     for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_a_weight_set_to_none_is_torchs_type_error(torch_cls, tandem_cls):
+    for module in (torch_cls(4, 6), tandem_cls(4, 6)):
+        module.weight_hh_l0 = None
+        with pytest.raises(TypeError):
+            module(torch.randn(5, 3, 4))
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_a_data_parallel_replica_computes_as_torchs(torch_cls, tandem_cls):
+    """torch.nn.DataParallel's replicas hold the weights in the flat-weights cache only (not as
+    parameters): the layers read them from there, as torch's do."""
+    ref, ours = torch_cls(4, 6, bidirectional=True), tandem_cls(4, 6, bidirectional=True)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 3, 4)
+    expected = ref._replicate_for_data_parallel()(x)[0]
+    torch.testing.assert_close(ours._replicate_for_data_parallel()(x)[0], expected)

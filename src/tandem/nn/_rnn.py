@@ -51,6 +51,8 @@ class Rows:
 class RNNLayers(torch.nn.RNNBase):
     """``torch.nn.RNNBase`` plus the plumbing of a packed-rows RNN module; subclasses own the hidden state."""
 
+    _GATES: int  # gate blocks in the weights: 3 (GRU), 4 (LSTM)
+
     def _current_weights(self) -> dict[str, Tensor]:
         """The weights by name, as torch's forward takes them: its cache refreshed first
         (``_update_flat_weights``), so that ``torch.func.functional_call``'s tensors are seen and a
@@ -60,7 +62,7 @@ class RNNLayers(torch.nn.RNNBase):
         are a RuntimeError, as in torch's GRU (whose LSTM raises or computes with what it finds)."""
         self._update_flat_weights()
         weights = dict(zip(self._flat_weights_names, self._flat_weights))
-        gates = {"GRU": 3, "LSTM": 4}[self.mode] * self.hidden_size
+        gates = self._GATES * self.hidden_size
         out = self.proj_size or self.hidden_size
         suffixes = ("", "_reverse") if self.bidirectional else ("",)
         expected: dict[str, tuple[int, ...]] = {}
@@ -77,6 +79,8 @@ class RNNLayers(torch.nn.RNNBase):
         for name in dict.fromkeys([*expected, *weights]):
             want = expected.get(name)
             got = weights.get(name)
+            if want is not None and name in weights and got is None:  # set to None: torch's op's TypeError
+                raise TypeError(f"{self.mode}: expected a Tensor for {name}, got None")
             if want is None or got is None or tuple(got.shape) != want:
                 settings = ", ".join(
                     f"{k}={getattr(self, k)}"
@@ -173,8 +177,8 @@ class RNNLayers(torch.nn.RNNBase):
         rows.data = x.reshape(steps * rows.mini_batch, self.input_size)
         rows.batch_sizes = torch.full((steps,), rows.mini_batch, dtype=torch.long)
 
-    def _check_devices_and_dtypes(self, data: Tensor, states: dict[str, Tensor]) -> None:
-        weight = self.weight_ih_l0
+    def _check_devices_and_dtypes(self, data: Tensor, states: dict[str, Tensor], weight: Tensor) -> None:
+        """``weight``: the first layer's input weights (of :meth:`_current_weights`)."""
         if data.device != weight.device:
             raise RuntimeError(
                 "Input and parameter tensors are not at the same device, found input tensor at "

@@ -40,6 +40,8 @@ class GRU(RNNLayers):
         (torch.Size([29, 8, 128]), torch.Size([4, 8, 64]))
     """
 
+    _GATES = 3
+
     @overload
     def __init__(
         self,
@@ -90,7 +92,7 @@ class GRU(RNNLayers):
             shape = (self.num_layers * num_directions, rows.mini_batch, self.hidden_size)
             hx = torch.zeros(shape, dtype=rows.data.dtype, device=rows.data.device)
         self.check_forward_args(rows.checked, hx, rows.batch_sizes if rows.packed else None)
-        self._check_devices_and_dtypes(rows.data, {"hx": hx})
+        self._check_devices_and_dtypes(rows.data, {"hx": hx}, weights_now["weight_ih_l0"])
         self._to_rows(rows)
         dtype = self._autocast_dtype(rows.data)
         if dtype is not None:

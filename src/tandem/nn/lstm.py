@@ -45,6 +45,8 @@ class LSTM(RNNLayers):
         (torch.Size([29, 8, 128]), torch.Size([4, 8, 64]), torch.Size([4, 8, 64]))
     """
 
+    _GATES = 4
+
     @overload
     def __init__(
         self,
@@ -146,7 +148,7 @@ class LSTM(RNNLayers):
         if len(hx) != 2:
             raise RuntimeError("lstm expects two hidden states")
         hx = (hx[0], _promoted_cx(rows.data, hx[1]))
-        self._check_devices_and_dtypes(rows.data, {"hx": hx[0], "cx": hx[1]})
+        self._check_devices_and_dtypes(rows.data, {"hx": hx[0], "cx": hx[1]}, weights_now["weight_ih_l0"])
         self._to_rows(rows)
         dtype = self._autocast_dtype(rows.data)
         if dtype is not None:
