@@ -412,3 +412,43 @@ def test_a_data_parallel_replica_computes_as_torchs(torch_cls, tandem_cls):
     x = torch.randn(5, 3, 4)
     expected = ref._replicate_for_data_parallel()(x)[0]
     torch.testing.assert_close(ours._replicate_for_data_parallel()(x)[0], expected)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("input_grad", [False, True])
+@pytest.mark.parametrize(
+    "name", ["weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0", "weight_ih_l1", "weight_hr_l1"]
+)
+def test_a_parameter_changed_between_forward_and_backward_raises_where_torchs_does(
+    torch_cls, tandem_cls, bidirectional, input_grad, name
+):
+    """An optimizer.step() (any in-place change) between forward and backward: autograd's in-place error
+    for the parameters torch's ops save (recurrent and projection weights; input weights when the
+    layer's input requires grad), none for the biases, whose gradients are then torch's."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    lstm = torch_cls is torch.nn.LSTM
+    if name == "weight_hr_l1" and not lstm:
+        pytest.skip("GRU has no projection")
+    kwargs = dict(num_layers=2, bidirectional=bidirectional, proj_size=3 if lstm else 0)
+    if not lstm:
+        kwargs.pop("proj_size")
+    ref, ours = torch_cls(4, 5, **kwargs), tandem_cls(4, 5, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 3, 4, requires_grad=input_grad)
+    outcomes = []
+    for module in (ref, ours):
+        out, _ = module(pack_padded_sequence(x, [6, 4, 2]))
+        with torch.no_grad():
+            getattr(module, name).add_(0.1)
+        try:
+            out.data.square().sum().backward()
+            outcomes.append("ran")
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e)
+            outcomes.append("raised")
+    assert outcomes[1] == outcomes[0]
+    if outcomes[0] == "ran":
+        for (n, a), b in zip(ref.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, msg=n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,19 @@ def _transformed() -> bool:
     """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap) is running."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     return peek is not None and not torch.compiler.is_compiling() and peek() is not None
+
+
+def _versions_unchanged(
+    mode: str, originals: list[Tensor], names: list[str], versions: list[int], grad: Tensor
+) -> None:
+    for t, name, then in zip(originals, names, versions):
+        if t._version != then:
+            raise RuntimeError(  # autograd's words, and the parameter's name
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: {mode}'s {name} [{t.type()} {list(t.shape)}] is at version {t._version}; "
+                f"expected version {then} instead (changed after the forward that used it: an "
+                "optimizer.step() before backward?)"
+            )
 
 
 def needs_formulas(batch: int, *tensors: Tensor | None) -> bool:
@@ -101,10 +115,18 @@ class RNNLayers(torch.nn.RNNBase):
         layer: int,
         names: tuple[str, ...],
         dtype: torch.dtype | None = None,
+        input_requires_grad: bool = True,
     ) -> tuple[Tensor | None, ...]:
         """The layer's parameters ``names`` (of ``weights``, :meth:`_current_weights`) stacked over
-        directions (``[D, ...]``), None where absent; cast to ``dtype`` if given (autocast: the gradients
-        flow back to the parameters' dtype)."""
+        directions (``[D, ...]``, a copy), None where absent; cast to ``dtype`` if given (autocast: the
+        gradients flow back to the parameters' dtype).
+
+        A parameter changed in place between this forward and its backward (an ``optimizer.step()``
+        before ``backward()``) makes that backward raise autograd's "modified by an inplace operation"
+        RuntimeError exactly where torch's layers raise it, the parameters torch's ops save: the
+        recurrent and projection weights, and the input weights if the layer's input requires grad;
+        never the biases. The ops save their copies, so the parameters' versions are checked by a hook.
+        """
         suffixes = ("", "_reverse") if self.bidirectional else ("",)
         stacked: list[Tensor | None] = []
         for name in names:
@@ -112,9 +134,31 @@ class RNNLayers(torch.nn.RNNBase):
                 stacked.append(None)
                 continue
             per_direction = [weights[f"{name}_l{layer}{s}"] for s in suffixes]
-            weight = per_direction[0].unsqueeze(0) if len(suffixes) == 1 else torch.stack(per_direction)
-            stacked.append(weight if dtype is None else weight.to(dtype))
+            if len(suffixes) == 1:
+                weight = per_direction[0].unsqueeze(0)
+                weight = weight.clone() if dtype is None or dtype == weight.dtype else weight.to(dtype)
+            else:
+                weight = torch.stack(per_direction)
+                weight = weight if dtype is None else weight.to(dtype)
+            if name in ("weight_hh", "weight_hr") or (name == "weight_ih" and input_requires_grad):
+                self._check_versions_in_backward(
+                    weight, per_direction, [f"{name}_l{layer}{s}" for s in suffixes]
+                )
+            stacked.append(weight)
         return tuple(stacked)
+
+    def _check_versions_in_backward(self, copy: Tensor, originals: list[Tensor], names: list[str]) -> None:
+        """Raise autograd's in-place error in the backward through ``copy`` if one of ``originals`` (the
+        parameters it was made from) has changed in place since now."""
+        if not (copy.requires_grad and torch.is_grad_enabled()) or _transformed():
+            return
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return
+        try:
+            versions = [t._version for t in originals]
+        except RuntimeError:  # inference tensors keep no version
+            return
+        copy.register_hook(functools.partial(_versions_unchanged, self.mode, originals, names, versions))
 
     @staticmethod
     def _under_cpu_autocast(input: Tensor | PackedSequence) -> bool:

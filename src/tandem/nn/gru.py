@@ -103,7 +103,11 @@ class GRU(RNNLayers):
         for layer in range(self.num_layers):
             h0 = hx[layer * num_directions : (layer + 1) * num_directions]
             weights = self._layer_weights(
-                weights_now, layer, ("weight_ih", "weight_hh", "bias_ih", "bias_hh"), dtype
+                weights_now,
+                layer,
+                ("weight_ih", "weight_hh", "bias_ih", "bias_hh"),
+                dtype,
+                input_requires_grad=layer_input.requires_grad,
             )
             formulas = needs_formulas(rows.mini_batch, layer_input, h0, *weights)
             run_layer = gru_layer_autograd if formulas else gru_layer

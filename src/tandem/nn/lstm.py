@@ -170,7 +170,9 @@ class LSTM(RNNLayers):
                     layer_input, rows.mini_batch, hx[0][span], hx[1][span], directions
                 )
             else:
-                weights = self._layer_weights(weights_now, layer, names, dtype)
+                weights = self._layer_weights(
+                    weights_now, layer, names, dtype, input_requires_grad=layer_input.requires_grad
+                )
                 formulas = needs_formulas(rows.mini_batch, layer_input, hx[0][span], hx[1][span], *weights)
                 run_layer = lstm_layer_autograd if formulas else lstm_layer
                 layer_input, h_last, c_last = run_layer(
