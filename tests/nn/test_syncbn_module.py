@@ -421,12 +421,31 @@ def check_late_rank(rank: int, batches: list[int]) -> None:
     rep.finish()
 
 
+def check_second_derivative_refused(rank: int, batches: list[int]) -> None:
+    """create_graph=True across processes: every rank refuses it, with a message, before the backward's
+    collective (none is left waiting)."""
+    rep = Report()
+    bn = tandem.nn.SyncBatchNorm(C)
+    x = torch.randn(batches[rank], C, 3, generator=_gen("second", rank)).requires_grad_()
+    y = bn(x)
+    try:
+        torch.autograd.grad(y.sin().sum(), x, create_graph=True)
+        rep.true("refused", False, "create_graph=True ran")
+    except RuntimeError as e:
+        rep.true("refused", "second derivative" in str(e), str(e))
+    y = bn(x)  # the group is still in step: a first derivative goes on as usual
+    (dx,) = torch.autograd.grad(y.sin().sum(), x)
+    rep.true("first derivative after", bool(torch.isfinite(dx).all()), "")
+    rep.finish()
+
+
 def _checks(world: int) -> dict[str, Callable[[int, list[int]], None]]:
     checks: dict[str, Callable[[int, list[int]], None]] = {
         f"equal-{case}": (lambda r, b, case=case: check_equal_to_batchnorm(r, b, case)) for case in CASES
     }
     checks.update(collectives=check_collectives, large_offset=check_large_offset, masked=check_masked)
     checks["late"] = check_late_rank
+    checks["second_derivative"] = check_second_derivative_refused
     if world == 2:
         checks["bench_baseline"] = check_bench_baseline
     if world == 3:
@@ -532,6 +551,12 @@ def test_a_late_rank_outlasts_the_polling(verdicts, world):
     _assert_ok(verdicts, world, "late")
 
 
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world", WORLD_IDS)
+def test_a_second_derivative_across_processes_is_refused_on_every_rank(verdicts, world):
+    _assert_ok(verdicts, world, "second_derivative")
+
+
 def test_poll_ends_when_done_or_after_its_time():
     calls = []
     assert _poll(lambda: calls.append(1) or len(calls) == 3, 10.0) and len(calls) == 3
@@ -600,6 +625,39 @@ def test_masked_eval_uses_running_stats_and_zeroes_padding():
     valid = torch.arange(6) < lengths[:, None]
     torch.testing.assert_close(y.permute(0, 2, 1)[valid], ref(x).permute(0, 2, 1)[valid])
     assert not y.permute(0, 2, 1)[~valid].any()
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_masked_second_derivative_is_batchnorms_over_the_real_frames(training, affine):
+    """A gradient penalty (create_graph=True) through a masked batch norm, one process: the derivatives
+    of BatchNorm1d over the real frames alone, with NaN in the padding ignored."""
+    bn = tandem.nn.SyncBatchNorm(3, affine=affine).double()
+    ref = torch.nn.BatchNorm1d(3, affine=affine).double()
+    with torch.no_grad():
+        for m in (bn, ref):
+            m.running_mean.copy_(torch.tensor([1.0, -2.0, 0.5]))
+            m.running_var.copy_(torch.tensor([2.0, 0.5, 1.0]))
+            if affine:
+                m.weight.copy_(torch.tensor([1.5, 0.5, -1.0]))
+                m.bias.copy_(torch.tensor([0.1, 0.2, 0.3]))
+    bn.train(training), ref.train(training)
+    x0 = torch.randn(4, 3, 6, dtype=torch.float64)
+    lengths = torch.tensor([6, 4, 3, 1])
+    valid = torch.arange(6) < lengths[:, None]  # [N, L]
+    x0.permute(0, 2, 1)[~valid] = float("nan")
+    grads = []
+    for module in (ref, bn):
+        x = x0.clone().requires_grad_()
+        if module is ref:
+            y = ref(x.permute(0, 2, 1)[valid])  # [frames, C]
+        else:
+            y = bn(x, lengths=lengths).permute(0, 2, 1)[valid]
+        (gx,) = torch.autograd.grad(y.sin().sum(), x, create_graph=True)
+        torch.where(valid.unsqueeze(1), gx, 0).square().sum().backward()
+        grads.append([x.grad.permute(0, 2, 1)[valid]] + [p.grad for p in module.parameters()])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want)
 
 
 def test_packed_sequence_in_packed_sequence_out():

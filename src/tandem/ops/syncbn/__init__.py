@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tandem._backend import use_triton
+from tandem.ops._recompute import grads_through, wants_graph
 from tandem.ops.syncbn import op as _op  # noqa: F401  (registers torch.ops.tandem.syncbn_*)
 from tandem.ops.syncbn.reference import (
     acc_dtype,
@@ -183,6 +184,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         else:
             y = torch.ops.tandem.syncbn_fwd(x, mean, invstd, weight, bias, mask)
         ctx.save_for_backward(x, weight, mean, invstd, mask, count)
+        ctx.eps = eps
         ctx.group = group
         ctx.batch_stats = batch_stats
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -192,6 +194,13 @@ class _SyncBatchNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd, mask, count = ctx.saved_tensors
         need_dx, need_w, need_b = ctx.needs_input_grad[:3]
+        if wants_graph(dy, x, weight):  # create_graph=True: a second derivative may follow
+            if ctx.group is not None:
+                raise RuntimeError(
+                    "SyncBatchNorm: a second derivative (backward with create_graph=True) is not supported "
+                    "while the statistics are synchronized over processes"
+                )
+            return (*_differentiable_grads(ctx, dy, x, weight, mean, invstd, mask), *(None,) * 7)
         eager = _eager_reference(x)
         dx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if eager else None
         dw = db = None
@@ -221,6 +230,30 @@ class _SyncBatchNorm(torch.autograd.Function):
             else:
                 dx = torch.ops.tandem.syncbn_bwd(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask)
         return dx, dw, db, None, None, None, None, None, None, None
+
+
+def _differentiable_grads(
+    ctx, dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, invstd: Tensor, mask: Tensor | None
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dweight, dbias)`` as differentiable tensors (one process): the normalisation recomputed with
+    autograd-tracked ops over the real frames (what BatchNorm over those frames alone computes) and
+    differentiated, as :mod:`tandem.ops._recompute` does for the recurrent layers."""
+    need_dx, need_w, need_b = ctx.needs_input_grad[:3]
+    dims = [0, *range(2, x.dim())]
+    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.unsqueeze(1).expand_as(x)
+    with torch.enable_grad():
+        xs = x if need_dx else x.detach()
+        if ctx.batch_stats:
+            count = keep.sum(dims, keepdim=True)
+            centred = torch.where(keep, xs - torch.where(keep, xs, 0).sum(dims, keepdim=True) / count, 0)
+            x_hat = centred * torch.rsqrt(centred.square().sum(dims, keepdim=True) / count + ctx.eps)
+        else:  # the running statistics: constants
+            shape = [1, -1] + [1] * (x.dim() - 2)
+            x_hat = torch.where(keep, (xs - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape), 0)
+        y = x_hat if weight is None else x_hat * weight.view([1, -1] + [1] * (x.dim() - 2))
+        dx, dw = grads_through([y], [dy], [xs, weight], [need_dx, need_w])
+        db = torch.where(keep, dy, 0).sum(dims).to(ctx.bias_dtype) if need_b else None
+    return dx, dw, db
 
 
 # How long a rank that waits for the others' statistics on the CPU polls for them before it sleeps. A
