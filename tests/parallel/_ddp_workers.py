@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from _ranks import join_group
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 import tandem
 from tandem.parallel import DistributedDataParallel as TandemDDP
@@ -527,18 +528,38 @@ def scenario_failure(rank: int, world: int, victim: int, action: str, timeout: f
 # uneven inputs: join(), against torch's DDP under the same schedules
 
 
+UseC = Callable[[int, int], bool] | None  # Branchy's forward: whether rank r uses c at step s
+
+
 # name -> (model, DDP options, join options, steps of rank r, the micro-steps under no_sync() per step,
-# the model's forward takes use_c (Branchy: c used on rank 0's even steps))
-JOIN_CASES: dict[str, tuple[Callable[[], torch.nn.Module], dict, dict, Callable[[int], int], int, bool]] = {
-    "default": (mlp, {}, {}, lambda r: 2 + r, 0, False),
-    "divide_by_nonjoined": (mlp, {}, {"divide_by_initial_world_size": False}, lambda r: 2 + r, 0, False),
-    "buffers": (bn_mlp, {}, {}, lambda r: 4 - r, 0, False),  # rank 0, whose buffers lead, joins last
-    "one_param_buckets": (mlp, {"bucket_cap_mb": ONE_BYTE_MB}, {}, lambda r: 1 + 2 * r, 0, False),
-    "unused": (Branchy, {"find_unused_parameters": True}, {}, lambda r: 2 + r, 0, True),
-    "no_sync": (mlp, {}, {}, lambda r: 2 + r, 1, False),
-    "rank_without_data": (Ordered, {}, {}, lambda r: 0 if r == 1 else 3, 0, False),
+# when Branchy's c is used)
+JOIN_CASES: dict[str, tuple[Callable[[], torch.nn.Module], dict, dict, Callable[[int], int], int, UseC]] = {
+    "default": (mlp, {}, {}, lambda r: 2 + r, 0, None),
+    "divide_by_nonjoined": (mlp, {}, {"divide_by_initial_world_size": False}, lambda r: 2 + r, 0, None),
+    "buffers": (bn_mlp, {}, {}, lambda r: 4 - r, 0, None),  # rank 0, whose buffers lead, joins last
+    "one_param_buckets": (mlp, {"bucket_cap_mb": ONE_BYTE_MB}, {}, lambda r: 1 + 2 * r, 0, None),
+    "unused": (
+        Branchy,
+        {"find_unused_parameters": True},
+        {},
+        lambda r: 2 + r,
+        0,
+        lambda r, s: r == 0 and s % 2 == 0,
+    ),
+    # c used by rank 1 alone in the last step rank 0 trains, then by none: torch's joined rank goes on
+    # sending that step's reduced used map, so c counts as used (zeros averaged in) afterwards
+    "unused_after_join": (
+        Branchy,
+        {"find_unused_parameters": True},
+        {},
+        lambda r: 2 + r,
+        0,
+        lambda r, s: r == 1 and s == 1,
+    ),
+    "no_sync": (mlp, {}, {}, lambda r: 2 + r, 1, None),
+    "rank_without_data": (Ordered, {}, {}, lambda r: 0 if r == 1 else 3, 0, None),
     # torch's own all-reduce hook on both wrappers: a joined rank sends it buckets of zeros
-    "comm_hook": (mlp, {"hook": torch_hooks.allreduce_hook}, {}, lambda r: 2 + r, 0, False),
+    "comm_hook": (mlp, {"hook": torch_hooks.allreduce_hook}, {}, lambda r: 2 + r, 0, None),
 }
 
 
@@ -548,7 +569,7 @@ def _join_run(
     join_options: dict,
     steps: int,
     micro: int,
-    use_c: bool,
+    use_c: UseC,
     rank: int,
     world: int,
     evaluate: bool = False,
@@ -563,11 +584,64 @@ def _join_run(
             for k in range(micro + 1):
                 x, y = batch(10 * step + k, world)
                 x, y = local(x, rank, world), local(y, rank, world)
-                args = (x, rank == 0 and step % 2 == 0) if use_c else (x,)
+                args = (x, use_c(rank, step)) if use_c is not None else (x,)
                 with wrapper.no_sync() if k < micro else _nullcontext():
                     loss_fn(wrapper(*args), y).backward()
             opt.step()
     return params(model)
+
+
+class _Counter(Joinable):
+    """A Joinable of the user's own (torch's Join tutorial): counts the ranks still going at each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def step(self) -> None:
+        Join.notify_join_context(self)
+        ones = torch.ones(1)
+        dist.all_reduce(ones)
+        self.count += int(ones.item())
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        counter = self
+
+        class Hook(JoinHook):
+            def main_hook(self) -> None:
+                zeros = torch.zeros(1)
+                dist.all_reduce(zeros)
+                counter.count += int(zeros.item())
+
+        return Hook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return dist.group.WORLD
+
+
+def _join_with_a_counter_first(wrap, rank: int, world: int) -> dict[str, Any]:
+    """``Join([counter, ddp])``: the user's Joinable first, the wrapper's group compared with its own."""
+    model = mlp()
+    wrapper = wrap(model, **({"timeout": CHECK_TIMEOUT_S} if wrap is TandemDDP else {}))
+    counter = _Counter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with Join([counter, wrapper]):
+        for step in range(2 + rank):
+            counter.step()
+            opt.zero_grad()
+            x, y = batch(step, world)
+            loss_fn(wrapper(local(x, rank, world)), local(y, rank, world)).backward()
+            opt.step()
+    return {
+        "params": params(model),
+        "count": counter.count,
+        "group_is_world": wrapper.process_group is dist.group.WORLD,
+    }
 
 
 def scenario_join(rank: int, world: int) -> dict[str, Any]:
@@ -592,15 +666,19 @@ def scenario_join(rank: int, world: int) -> dict[str, Any]:
     # backward): the same model as torch's without it
     model = mlp()
     wrapper = TandemDDP(model, timeout=CHECK_TIMEOUT_S)
-    evaluated = _join_run(wrapper, model, {}, 2 + rank, 0, False, rank, world, evaluate=True)
+    evaluated = _join_run(wrapper, model, {}, 2 + rank, 0, None, rank, world, evaluate=True)
     out["evaluate"] = {"tandem": evaluated, "torch": out["default"]["torch"]}
+    out["joinable_first"] = {
+        label: _join_with_a_counter_first(wrap, rank, world)
+        for label, wrap in (("tandem", TandemDDP), ("torch", TorchDDP))
+    }
     # throw_on_early_termination: every rank raises once the first runs out, with torch's error
     errors = {}
     for label, wrap in (("tandem", TandemDDP), ("torch", TorchDDP)):
         model = mlp()
         wrapper = wrap(model, **({"timeout": CHECK_TIMEOUT_S} if wrap is TandemDDP else {}))
         try:
-            _join_run(wrapper, model, {"throw_on_early_termination": True}, 2 + rank, 0, False, rank, world)
+            _join_run(wrapper, model, {"throw_on_early_termination": True}, 2 + rank, 0, None, rank, world)
             errors[label] = None
         except RuntimeError as e:
             errors[label] = type(e).__name__

@@ -256,6 +256,16 @@ def test_join_with_uneven_inputs_equals_torchs_join(join_results, case):
         assert_same_state(res["tandem"], per_rank[0]["tandem"], rtol=0, atol=0)
 
 
+def test_join_with_a_users_joinable_first_as_torchs(join_results):
+    """``Join([counter, ddp])``: the wrapper's group is the default group object, as torch's is (Join
+    refuses joinables of different groups), and the counts and the model are torch's."""
+    for res in join_results:
+        ours, theirs = res["joinable_first"]["tandem"], res["joinable_first"]["torch"]
+        assert ours["group_is_world"] and theirs["group_is_world"]
+        assert ours["count"] == theirs["count"] == 2 + 3 + 4
+        assert_same_state(ours["params"], theirs["params"], **TIGHT)
+
+
 def test_join_throw_on_early_termination_raises_on_every_rank_as_torchs(join_results):
     for res in join_results:
         assert res["throw"] == {"tandem": "RuntimeError", "torch": "RuntimeError"}

@@ -21,7 +21,7 @@ How a synchronised step runs:
    became ready (rank 0's order, broadcast, so every rank cuts the same buckets).
 5. Under ``join()`` (uneven inputs, torch's ``Join`` protocol) each forward first tells the others that
    this rank still trains and whether its step synchronises; a rank out of data answers every such step
-   with the same collectives (buffers, zeros for each bucket and the used map) until all have joined,
+   with the same collectives (buffers, zeros for each bucket, its last used map) until all have joined,
    and then every rank takes the model of the last to finish.
 """
 
@@ -353,7 +353,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
         self.module = module
         self.dim = dim
-        self.process_group = process_group
+        # torch's DDP keeps the default group itself when given none (hooks and Join compare groups)
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
         # torch 2.13's rule: forward_sync_buffers, when given, decides the broadcast before each forward
         # and the buffers are synced at construction; otherwise broadcast_buffers (default True) decides
         # both
@@ -432,6 +433,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._last_stats: DDPStats | None = None
         self._unreachable: list[int] = []
         self._used_since_sync = bytearray(n)
+        self._used_counts: Tensor | None = None  # the last used-parameter map, as reduced
         # what gradients are divided by: the world, or under join(divide_by_initial_world_size=False) the
         # ranks that have not joined (counted at each forward)
         self._grad_divisor = self.world_size
@@ -451,7 +453,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.process_group = None
+        self.process_group = dist.group.WORLD
         self._set_up(threaded=False)
 
     # ------------------------------------------------------------------------------------------
@@ -713,7 +715,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         chosen = int(rank.item())
         if chosen < 0:
             raise RuntimeError("DistributedDataParallel: no rank could be chosen to copy the model from")
-        return dist.get_global_rank(self.process_group, chosen) if self.process_group is not None else chosen
+        return dist.get_global_rank(self.process_group, chosen)
 
     def _count_nonjoined(self, work: dist.Work | None) -> None:
         """The divisor of this step's gradients: the world, or the ranks still training (``work``: the
@@ -726,8 +728,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def _shadow_step(self) -> None:
         """On a joined rank: the collectives of one step of the ranks still training, in their order
-        (buffers, the step flag, then zeros for every bucket and the used-parameter map, and the bucket
-        rebuild after the first synchronised step)."""
+        (buffers, the step flag, then zeros for every bucket, its last used-parameter map as torch's
+        reducer sends it, and the bucket rebuild after the first synchronised step)."""
         self._sync_buffers_before_forward(joined=True)
         flag = torch.zeros(1, device=self._comm_device)
         self._guarded(all_reduce, flag, self.process_group, self.timeout, _JOIN_STEP_FLAG)
@@ -739,9 +741,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self._submit(functools.partial(self._launch, bucket, True))
         ops = []
         if self.find_unused_parameters:
+            # as torch's reducer: the used map of this rank's last synchronised step, as it was reduced
+            # then (and again at each step shadowed since); zeros if it never trained
+            if self._used_counts is None:
+                self._used_counts = torch.zeros(
+                    len(self._params), dtype=torch.int32, device=self._comm_device
+                )
             op = _Op()
-            counts = torch.zeros(len(self._params), dtype=torch.int32, device=self._comm_device)
-            self._submit(functools.partial(op.all_reduce, counts, self._comm_group))
+            self._submit(functools.partial(op.all_reduce, self._used_counts, self._comm_group))
             ops.append(op)
         deadline = time.monotonic() + self.timeout
         try:
@@ -752,7 +759,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                     raise b.error
                 self._guarded(result, b.future, what)
             for op in ops:
-                what = "the all-reduce of the used-parameter map (zeros, for a joined rank)"
+                what = "the all-reduce of the used-parameter map (for a joined rank)"
                 self._guarded(wait_event, op.event, deadline, what, self.timeout)
                 if op.error is not None:
                     raise op.error
@@ -1015,6 +1022,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 raise op.error
             result(op.future, what)
             skip = [c == 0 for c in counts.tolist()]
+            self._used_counts = counts  # what a joined rank sends in the steps it shadows (as torch's)
 
         nbuckets = len(self._buckets)
         for b in self._buckets:
