@@ -145,6 +145,13 @@ def _check_bad_arguments(rank: int, world: int) -> dict[str, Any]:
     out["eps"] = _raises(lambda: ZeroAdagrad(m.parameters(), eps=-1.0))
     out["timeout"] = _raises(lambda: ZeroAdagrad(m.parameters(), timeout=0))
     out["differentiable"] = _raises(lambda: ZeroAdagrad(m.parameters(), differentiable=True))
+    both = dict(fused=True, differentiable=True)  # torch's check of the pair comes first
+    out["fused_differentiable"] = (
+        _raises(lambda: ZeroAdagrad(m.parameters(), **both)),
+        _raises(lambda: torch.optim.Adagrad(m.parameters(), **both)),
+    )
+    first = next(m.parameters())
+    out["duplicate"] = _raises(lambda: ZeroAdagrad([first, first]))
     strided = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64).t())
     out["not_contiguous"] = _raises(lambda: ZeroAdagrad([torch.nn.Parameter(torch.zeros(2)), strided]))
 
@@ -177,6 +184,12 @@ def _check_bad_arguments(rank: int, world: int) -> dict[str, Any]:
         p.grad = torch.ones_like(p)
     ps[-1].grad = torch.ones_like(ps[-1]).to_sparse()
     out["sparse_grad"] = _raises(opt.step)
+    # A gradient on some ranks only (rank 1 has none for the first parameter): refused on every rank.
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    if rank == 1:
+        ps[0].grad = None
+    out["grad_on_some_ranks"] = _raises(opt.step)
     out["unchanged"] = unchanged()
     return out
 
@@ -208,7 +221,34 @@ def _check_mismatch(rank: int, world: int) -> dict[str, Any]:
     return {"error": _raises(lambda: ZeroAdagrad([*m.parameters(), *extra], timeout=TIMEOUT_S))}
 
 
+def _check_group_initial_value(rank: int, world: int) -> dict[str, Any]:
+    """A group's own initial_accumulator_value is not used: torch.optim.Adagrad starts every sum from
+    the constructor's."""
+
+    def make(cls, m, **kw):
+        ps = list(m.parameters())
+        return cls(
+            [{"params": ps[:2], "initial_accumulator_value": 1.0}, {"params": ps[2:]}],
+            lr=0.1,
+            initial_accumulator_value=0.25,
+            **kw,
+        )
+
+    ours = model()
+    train(
+        DistributedDataParallel(ours, timeout=TIMEOUT_S),
+        make(ZeroAdagrad, ours, timeout=TIMEOUT_S),
+        range(STEPS),
+        world,
+        rank,
+    )
+    theirs = model()
+    train(theirs, make(torch.optim.Adagrad, theirs), range(STEPS), world, None)
+    return {"tandem": params(ours), "torch": params(theirs)}
+
+
 CHECKS = {
+    "group_initial_value": _check_group_initial_value,
     "train": _check_train_and_state,
     "load": _check_load,
     "mixed_dtypes": _check_mixed_dtypes,

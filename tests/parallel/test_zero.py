@@ -134,7 +134,18 @@ def test_bad_arguments_raise_before_anything_changes(group):
         )
         assert res["load_shape"].startswith("ValueError") and "parameter 5 of shape (3,)" in res["load_shape"]
         assert res["sparse_grad"].startswith("RuntimeError") and "parameter 5" in res["sparse_grad"]
+        ours, theirs = res["fused_differentiable"]
+        assert ours == theirs == "RuntimeError: `fused` does not support `differentiable`"
+        assert res["duplicate"].startswith("ValueError") and "parameter 1 " in res["duplicate"]
+        assert res["grad_on_some_ranks"].startswith("ValueError: ZeroAdagrad: parameter 0 ")
+        assert f"has a gradient on {world - 1} of {world} ranks" in res["grad_on_some_ranks"]
         assert res["unchanged"], "a refused load_state_dict or step changed parameters or state"
+
+
+def test_a_groups_own_initial_accumulator_value_is_not_used_as_in_torch(group):
+    world, results = group
+    for res in check(results, "group_initial_value"):
+        assert_params(res["tandem"], res["torch"], **TIGHT)
 
 
 def test_mixed_dtypes(group):

@@ -52,6 +52,7 @@ from tandem.parallel.comm import (
     result,
     timeout_seconds,
     wait_event,
+    wait_work,
     watch,
 )
 
@@ -179,6 +180,8 @@ class ZeroAdagrad(Optimizer):
     ) -> None:
         # torch.optim.Adagrad's checks and messages, then ours: all before any state or communication.
         check_hyperparameters(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
+        if fused and differentiable:
+            raise RuntimeError("`fused` does not support `differentiable`")  # torch's check, first
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if differentiable:
@@ -207,10 +210,18 @@ class ZeroAdagrad(Optimizer):
         super().__init__(params, defaults)
         self._constructing = False
         self._params = [p for group in self.param_groups for p in group["params"]]
+        first: dict[int, int] = {}
         for i, p in enumerate(self._params):
             problem = _unsupported(p)
             if problem:
                 raise ValueError(f"ZeroAdagrad: parameter {i} (shape {tuple(p.shape)}) is {problem}")
+            if id(p) in first:
+                # torch's Adagrad warns and updates it twice a step; its shards would be cut twice here
+                raise ValueError(
+                    f"ZeroAdagrad: parameter {i} (shape {tuple(p.shape)}) is parameter {first[id(p)]} "
+                    "again; pass each parameter once"
+                )
+            first[id(p)] = i
 
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
@@ -236,7 +247,6 @@ class ZeroAdagrad(Optimizer):
         pieces, self._bounds = shard_layout(self._params, self.world_size)
         self._mine: dict[int, Piece] = {pc.index: pc for pc in pieces if pc.owner == self.rank}
         self._transfers = _plan(pieces, self._params) if self.world_size > 1 else []
-        group_of = {i: g for g, group in enumerate(self.param_groups) for i in self._group_indices(g)}
         # This rank's slice of each (device, dtype)'s accumulators: one flat tensor; state sums view it.
         self._shards: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         for (device, dtype), cut in self._bounds.items():
@@ -248,7 +258,8 @@ class ZeroAdagrad(Optimizer):
                 "step": torch.zeros((), dtype=torch.float32, device=p.device),
                 "sum": self._sum_view(i),
             }
-            self.state[p]["sum"].fill_(self.param_groups[group_of[i]]["initial_accumulator_value"])
+            # the constructor's value, not a group's own: torch.optim.Adagrad's rule
+            self.state[p]["sum"].fill_(initial_accumulator_value)
         self._steps_taken = 0
         self._consolidated: tuple[int, int, dict[str, Any]] | None = None  # (to, steps taken, state)
 
@@ -293,6 +304,7 @@ class ZeroAdagrad(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Gather and check every group first: a bad gradient raises before anything has moved.
+        self._check_same_gradients_present()
         work = []
         for g, group in enumerate(self.param_groups):
             ps, gs, ss, ts = [], [], [], []
@@ -338,6 +350,26 @@ class ZeroAdagrad(Optimizer):
         if self.world_size > 1:
             self._share_shards()
         return loss
+
+    def _check_same_gradients_present(self) -> None:
+        """Every rank must step the same parameters (DDP's averaged gradients are on every rank or on
+        none): a parameter whose gradient is None on some ranks only would be updated in some shards and
+        not in others. One all-reduce of a byte a parameter; a ValueError on every rank otherwise."""
+        if self.world_size == 1:
+            return
+        present = torch.tensor(
+            [p.grad is not None for p in self._params], dtype=torch.int32, device=self._params[0].device
+        )
+        what = "the all-reduce of which parameters have a gradient"
+        wait_work(dist.all_reduce(present, group=self.process_group, async_op=True), self.timeout, what, _WHO)
+        for i, count in enumerate(present.tolist()):
+            if count not in (0, self.world_size):
+                p = self._params[i]
+                raise ValueError(
+                    f"ZeroAdagrad: parameter {i} (shape {tuple(p.shape)}) has a gradient on {count} of "
+                    f"{self.world_size} ranks; every rank must step with the same gradients (DDP's "
+                    "averaged ones), or its shards would move on some ranks only"
+                )
 
     def _share_shards(self) -> None:
         """Every rank's updated shard to every rank: one broadcast per transfer, all in flight at once."""
