@@ -660,6 +660,26 @@ def test_masked_second_derivative_is_batchnorms_over_the_real_frames(training, a
         torch.testing.assert_close(got, want)
 
 
+def test_training_on_no_frame_is_batchnorm_on_an_empty_batch():
+    """Every frame masked out (on every rank): torch's BatchNorm on the empty batch of real frames gives
+    an empty output and leaves the running statistics; here the padding's output and gradient are 0.
+    One frame in all stays torch's error."""
+    bn, ref = tandem.nn.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    assert ref(x.detach().permute(0, 2, 1)[mask]).shape == (0, 3)
+    y = bn(x, mask=mask)
+    y.sum().backward()
+    assert not y.any() and not x.grad.any()
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(bn, name), getattr(ref, name)), name
+    mask[0, 0] = True
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        bn(x, mask=mask)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        ref(x.detach().permute(0, 2, 1)[mask])
+
+
 def test_packed_sequence_in_packed_sequence_out():
     bn, ref = tandem.nn.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
     packed = pack_padded_sequence(torch.randn(5, 4, 3), torch.tensor([5, 4, 2, 1]))

@@ -163,7 +163,9 @@ class _SyncBatchNorm(torch.autograd.Function):
                 packed = sum_over_ranks(packed, group)
             mean, m2, count = syncbn_unpack_ref(packed)  # float64: the kernels split the mean into hi + lo
             # The frame count is on the host for CPU tensors only; on CUDA the check would cost a sync.
-            if not packed.is_cuda and float(count) <= 1:
+            # One frame in all is torch's error; none (every batch empty, or every frame masked) is
+            # torch's BatchNorm on an empty batch: an empty output, the running statistics as they were.
+            if not packed.is_cuda and float(count) == 1:
                 raise ValueError(
                     "Expected more than 1 value per channel when training, got "
                     f"{int(count)} frame(s) over all ranks"
@@ -171,8 +173,8 @@ class _SyncBatchNorm(torch.autograd.Function):
             var = m2 / count.clamp(min=1)
             if running_mean is not None and running_var is not None:
                 with torch.no_grad():
-                    _update(running_mean, mean, momentum)
-                    _update(running_var, m2 / (count - 1), momentum)  # unbiased
+                    _update(running_mean, mean, momentum, count)
+                    _update(running_var, m2 / (count - 1), momentum, count)  # unbiased
             invstd = torch.rsqrt(var + eps).to(acc)
             count = count.to(acc)
         else:
@@ -305,6 +307,8 @@ def _poll(done: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
-def _update(running: Tensor, batch: Tensor, momentum: float) -> None:
-    """``running = (1 - momentum) * running + momentum * batch``, formed in float64 and rounded once."""
-    running.copy_(running.to(torch.float64) * (1.0 - momentum) + batch * momentum)
+def _update(running: Tensor, batch: Tensor, momentum: float, count: Tensor) -> None:
+    """``running = (1 - momentum) * running + momentum * batch``, formed in float64 and rounded once;
+    unchanged where no frame counted (``count`` 0), without reading the count on the host."""
+    updated = running.to(torch.float64) * (1.0 - momentum) + batch * momentum
+    running.copy_(torch.where(count > 0, updated, running.to(torch.float64)))
