@@ -680,6 +680,32 @@ def test_training_on_no_frame_is_batchnorm_on_an_empty_batch():
         ref(x.detach().permute(0, 2, 1)[mask])
 
 
+@pytest.mark.parametrize("rnn", [torch.nn.GRU, tandem.nn.GRU], ids=["torch-gru", "tandem-gru"])
+def test_packed_sequence_through_torch_compile(rnn):
+    """GRU -> SyncBatchNorm on the PackedSequence -> GRU under torch.compile: what eager computes. (A
+    PackedSequence made by _replace could not be rebuilt by torch 2.13's dynamo across a graph break.)"""
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = rnn(4, 6, batch_first=True, bidirectional=True, dtype=torch.float64)
+            self.bn = tandem.nn.SyncBatchNorm(12, dtype=torch.float64)
+            self.b = rnn(12, 5, batch_first=True, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            p = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            p, _ = self.a(p)
+            p, _ = self.b(self.bn(p))
+            return p.data
+
+    torch.manual_seed(0)
+    model = Stack()
+    x, lengths = torch.randn(3, 5, 4, dtype=torch.float64), torch.tensor([5, 3, 2])
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="eager")(x, lengths)
+    torch.testing.assert_close(got, model(x, lengths))
+
+
 def test_packed_sequence_in_packed_sequence_out():
     bn, ref = tandem.nn.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
     packed = pack_padded_sequence(torch.randn(5, 4, 3), torch.tensor([5, 4, 2, 1]))

@@ -167,7 +167,7 @@ class RNNLayers(torch.nn.RNNBase):
         mixed dtypes), which that kernel does not: these calls run torch's own forward, for torch's
         numbers. (Under Triton's interpreter, CPU tensors take the Triton kernels and autocast's
         meaning for them: :meth:`_autocast_dtype`.)"""
-        data = input.data if isinstance(input, PackedSequence) else input
+        data = input[0] if isinstance(input, PackedSequence) else input
         return (
             isinstance(data, Tensor)
             and data.device.type == "cpu"

@@ -166,7 +166,10 @@ class SyncBatchNorm(_BatchNorm):
                 raise ValueError(
                     "SyncBatchNorm: a PackedSequence has no padding; expected mask=None, lengths=None"
                 )
-            return input._replace(data=self._normalize(input.data, None))
+            # the constructor, not _replace: torch.compile cannot rebuild a _replace'd PackedSequence across
+            # a graph break (torch 2.13's dynamo), and a model with one fails to compile
+            data, batch_sizes, sorted_indices, unsorted_indices = input
+            return PackedSequence(self._normalize(data, None), batch_sizes, sorted_indices, unsorted_indices)
         if mask is not None and lengths is not None:
             raise ValueError("SyncBatchNorm: expected mask or lengths, got both")
         if lengths is not None:
