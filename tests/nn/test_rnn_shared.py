@@ -452,3 +452,39 @@ def test_a_parameter_changed_between_forward_and_backward_raises_where_torchs_do
     if outcomes[0] == "ran":
         for (n, a), b in zip(ref.named_parameters(), ours.parameters()):
             torch.testing.assert_close(b.grad, a.grad, msg=n)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_packed_stack_under_torch_compile_as_torchs(torch_cls, tandem_cls):
+    """RNN -> batch norm on the packed frames (the PackedSequence rebuilt with _replace) -> RNN, compiled:
+    with enforce_sorted=False the layers read the batch as a shape, so the graph has no break (a break
+    there made torch 2.13's dynamo hand the second layer an empty PackedSequence); the numbers are
+    eager's, which are torch's."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class Stack(torch.nn.Module):
+        def __init__(self, rnn) -> None:
+            super().__init__()
+            self.a = rnn(4, 6, batch_first=True, bidirectional=True, dtype=torch.float64)
+            self.bn = torch.nn.BatchNorm1d(12, dtype=torch.float64)
+            self.b = rnn(12, 5, batch_first=True, dtype=torch.float64)
+
+        def forward(self, p):
+            p, _ = self.a(p)
+            p, _ = self.b(p._replace(data=self.bn(p.data)))
+            return p.data
+
+    x, lengths = torch.randn(3, 5, 4, dtype=torch.float64), torch.tensor([3, 5, 2])
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)  # (dynamo skips it)
+    torch.manual_seed(0)
+    ref = Stack(torch_cls)
+    ours = Stack(tandem_cls)
+    ours.load_state_dict(ref.state_dict())
+    expected = ref(packed)
+    torch._dynamo.reset()
+    got = torch.compile(ours, backend="eager", fullgraph=True)(packed)  # fullgraph: no break in the layers
+    torch.testing.assert_close(got, expected)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)

@@ -199,9 +199,14 @@ class RNNLayers(torch.nn.RNNBase):
         """Unpack a PackedSequence, or check a padded input's dims and unsqueeze an unbatched one."""
         if isinstance(input, PackedSequence):
             data, batch_sizes, sorted_indices, unsorted_indices = input
-            return Rows(
-                data, batch_sizes, int(batch_sizes[0]), True, True, 1, sorted_indices, unsorted_indices, data
-            )
+            if sorted_indices is not None and torch.compiler.is_compiling():
+                # the number of sequences as a shape: reading batch_sizes[0] would break torch.compile's
+                # graph here, and across a break dynamo cannot rebuild a PackedSequence the caller made
+                # with _replace (torch 2.13); eager reads it, as torch's layers do
+                mini_batch = sorted_indices.shape[0]
+            else:
+                mini_batch = int(batch_sizes[0])
+            return Rows(data, batch_sizes, mini_batch, True, True, 1, sorted_indices, unsorted_indices, data)
         if input.dim() not in (2, 3):
             raise ValueError(f"{self.mode}: Expected input to be 2D or 3D, got {input.dim()}D instead")
         batched = input.dim() == 3
@@ -220,6 +225,12 @@ class RNNLayers(torch.nn.RNNBase):
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")  # torch's words
         rows.data = x.reshape(steps * rows.mini_batch, self.input_size)
         rows.batch_sizes = torch.full((steps,), rows.mini_batch, dtype=torch.long)
+
+    def _check_state_size(self, rows: Rows, state: Tensor, size: int, message: str) -> None:
+        """torch's check_forward_args for one state, with the batch of ``rows`` (not read again from a
+        PackedSequence's batch_sizes): the same checks, sizes and messages."""
+        directions = 2 if self.bidirectional else 1
+        self.check_hidden_size(state, (self.num_layers * directions, rows.mini_batch, size), message)
 
     def _check_devices_and_dtypes(self, data: Tensor, states: dict[str, Tensor], weight: Tensor) -> None:
         """``weight``: the first layer's input weights (of :meth:`_current_weights`)."""

@@ -91,7 +91,9 @@ class GRU(RNNLayers):
         if hx is None:
             shape = (self.num_layers * num_directions, rows.mini_batch, self.hidden_size)
             hx = torch.zeros(shape, dtype=rows.data.dtype, device=rows.data.device)
-        self.check_forward_args(rows.checked, hx, rows.batch_sizes if rows.packed else None)
+        # torch.nn.GRU's check_forward_args: its checks and messages
+        self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
+        self._check_state_size(rows, hx, self.hidden_size, "Expected hidden size {}, got {}")
         self._check_devices_and_dtypes(rows.data, {"hx": hx}, weights_now["weight_ih_l0"])
         self._to_rows(rows)
         dtype = self._autocast_dtype(rows.data)

@@ -137,7 +137,10 @@ class LSTM(RNNLayers):
             shape = (self.num_layers * num_directions, rows.mini_batch)
             kwargs = dict(dtype=rows.data.dtype, device=rows.data.device)
             hx = (torch.zeros(*shape, out_size, **kwargs), torch.zeros(*shape, self.hidden_size, **kwargs))
-        self.check_forward_args(rows.checked, hx, rows.batch_sizes if rows.packed else None)
+        # torch.nn.LSTM's check_forward_args (above): its checks and messages
+        self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
+        self._check_state_size(rows, hx[0], out_size, "Expected hidden[0] size {}, got {}")
+        self._check_state_size(rows, hx[1], self.hidden_size, "Expected hidden[1] size {}, got {}")
         # what torch's lstm op refuses once the checks above passed (packed and unbatched input have made a
         # pair of hx by then, in torch's forward as here)
         if isinstance(hx, Tensor):
