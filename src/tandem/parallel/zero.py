@@ -354,7 +354,7 @@ class ZeroAdagrad(Optimizer):
     def _check_same_gradients_present(self) -> None:
         """Every rank must step the same parameters (DDP's averaged gradients are on every rank or on
         none): a parameter whose gradient is None on some ranks only would be updated in some shards and
-        not in others. One all-reduce of a byte a parameter; a ValueError on every rank otherwise."""
+        not in others. One all-reduce of an int32 a parameter; a ValueError on every rank otherwise."""
         if self.world_size == 1:
             return
         present = torch.tensor(
