@@ -464,6 +464,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _train_or_launch(args: argparse.Namespace) -> int:
+    """Train in this process (one process in all), or launch torchrun for the others."""
     if args.nproc == 1 and args.nnodes == 1:
         code = _work(args)
         if code == 130 and args.task == "asr":  # stopped by a signal, after a checkpoint
