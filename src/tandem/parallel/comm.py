@@ -130,8 +130,7 @@ def all_reduce(
     who: str = "DistributedDataParallel",
 ) -> None:
     """``tensor`` all-reduced in place over ``group``, waiting ``timeout`` seconds at most."""
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    _run(work, time.monotonic() + timeout, what, timeout, who)
+    wait_work(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout, what, who)
 
 
 def broadcast_coalesced(

@@ -80,9 +80,6 @@ _DEFAULT_BUCKET_CAP_MB = 25
 # 25 MB of the layers below them.
 _FIRST_BUCKET_BYTES = 1 * _MB
 _MIN_BUCKETS = 16
-# what a timeout names: the all-reduce by which the ranks still training tell the joined ones whether a
-# step's backward all-reduces
-_JOIN_STEP_FLAG = "the join's step flag (synchronised or not)"
 
 
 @dataclass(frozen=True)
@@ -571,10 +568,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self._count_nonjoined(Join.notify_join_context(self))
         self._sync_buffers_before_forward(joined=False)
         if joining:
-            # tells the joined ranks whether this step's backward all-reduces (torch sends 1 whenever
-            # require_backward_grad_sync is set; here a forward without grad says 0, as it has no backward)
-            flag = torch.tensor([float(sync)], device=self._comm_device)
-            self._guarded(all_reduce, flag, self.process_group, self.timeout, _JOIN_STEP_FLAG)
+            self._step_flag(sync)
         if self.device_ids is not None:
             device = torch.device(self._comm_device.type, self.device_ids[0])
             inputs, kwargs = _to_device(inputs, device), _to_device(kwargs, device)
@@ -726,14 +720,21 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             (count,) = self._guarded(wait_work, work, self.timeout, what)
             self._grad_divisor = int(count.item())
 
+    def _step_flag(self, sync: bool) -> Tensor:
+        """The join's step flag, both sides of it: each rank still training sends whether its step's
+        backward all-reduces (torch sends 1 whenever require_backward_grad_sync is set; a forward without
+        grad says 0 here, as it has no backward), a joined rank sends 0; the sum tells the joined ones."""
+        flag = torch.tensor([float(sync)], device=self._comm_device)
+        what = "the join's step flag (synchronised or not)"
+        self._guarded(all_reduce, flag, self.process_group, self.timeout, what)
+        return flag
+
     def _shadow_step(self) -> None:
         """On a joined rank: the collectives of one step of the ranks still training, in their order
         (buffers, the step flag, then zeros for every bucket, its last used-parameter map as torch's
         reducer sends it, and the bucket rebuild after the first synchronised step)."""
         self._sync_buffers_before_forward(joined=True)
-        flag = torch.zeros(1, device=self._comm_device)
-        self._guarded(all_reduce, flag, self.process_group, self.timeout, _JOIN_STEP_FLAG)
-        sync = bool(flag.item())
+        sync = bool(self._step_flag(False).item())
         self._sync_buffers_next = sync
         if not sync:
             return
@@ -754,16 +755,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         try:
             for b in self._buckets:
                 what = f"the all-reduce of gradient bucket {b.index} (zeros, for a joined rank)"
-                self._guarded(wait_event, b.event, deadline, what, self.timeout)
-                if b.error is not None:
-                    raise b.error
-                self._guarded(result, b.future, what)
+                self._guarded(self._await, b, deadline, what)
             for op in ops:
-                what = "the all-reduce of the used-parameter map (for a joined rank)"
-                self._guarded(wait_event, op.event, deadline, what, self.timeout)
-                if op.error is not None:
-                    raise op.error
-                self._guarded(result, op.future, what)
+                self._guarded(
+                    self._await, op, deadline, "the all-reduce of the used-parameter map (for a joined rank)"
+                )
         finally:
             self._reset_iteration()
         if not self._rebuilt:
@@ -1016,11 +1012,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             counts = torch.tensor(used, dtype=torch.int32, device=self._comm_device)
             op = _Op()
             self._submit(functools.partial(op.all_reduce, counts, self._comm_group))
-            what = "the all-reduce of the used-parameter map"
-            wait_event(op.event, deadline, what, self.timeout)
-            if op.error is not None:
-                raise op.error
-            result(op.future, what)
+            self._await(op, deadline, "the all-reduce of the used-parameter map")
             skip = [c == 0 for c in counts.tolist()]
             self._used_counts = counts  # what a joined rank sends in the steps it shadows (as torch's)
 
@@ -1030,14 +1022,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 f"the all-reduce of gradient bucket {b.index} of {nbuckets} "
                 f"({_size(b.nbytes)}, {len(b.members)} parameters)"
             )
-            wait_event(b.event, deadline, what, self.timeout)
-            if b.error is not None:
-                raise b.error
-            reduced = result(b.future, what)
+            reduced = self._await(b, deadline, what)
             if not b.copied:
                 self._copy_out(b, reduced, skip)
         if self._comm_thread is not None and self._comm_thread.errors:
             raise self._comm_thread.errors.pop(0)
+
+    def _await(self, task: _Bucket | _Op, deadline: float, what: str) -> Any:
+        """The value of ``task``'s collective (a bucket's, or another of ours), waited for until ``deadline``;
+        raises its error if it could not start, or :class:`CommunicationError` naming ``what``."""
+        wait_event(task.event, deadline, what, self.timeout)
+        if task.error is not None:
+            raise task.error
+        return result(task.future, what)
 
     def _copy_out(self, bucket: _Bucket, result: Any, skip: list[bool] | None) -> None:
         """Write bucket ``bucket``'s reduced values (the collective's or hook's result) to ``.grad``."""
