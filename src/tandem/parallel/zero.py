@@ -47,12 +47,11 @@ from torch.optim import Optimizer
 from tandem.ops.adagrad import adagrad_unchecked
 from tandem.optim.adagrad import check_hyperparameters
 from tandem.parallel.comm import (
+    all_reduce,
     check_same_on_all_ranks,
-    group_timeout_seconds,
     result,
     timeout_seconds,
     wait_event,
-    wait_work,
     watch,
 )
 
@@ -188,13 +187,13 @@ class ZeroAdagrad(Optimizer):
             raise ValueError(
                 "ZeroAdagrad: expected differentiable=False (a sharded step is not differentiable)"
             )
-        seconds = timeout_seconds(timeout, _WHO) if timeout is not None else None  # a bad one first
+        seconds = timeout_seconds(timeout, _WHO, process_group)  # a bad one first; None: the group's own
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ZeroAdagrad: the default process group has not been initialized; call "
                 "torch.distributed.init_process_group(...) first or pass process_group="
             )
-        self.timeout = seconds if seconds is not None else group_timeout_seconds(process_group)
+        self.timeout = seconds
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,
@@ -361,7 +360,7 @@ class ZeroAdagrad(Optimizer):
             [p.grad is not None for p in self._params], dtype=torch.int32, device=self._params[0].device
         )
         what = "the all-reduce of which parameters have a gradient"
-        wait_work(dist.all_reduce(present, group=self.process_group, async_op=True), self.timeout, what, _WHO)
+        all_reduce(present, self.process_group, self.timeout, what, who=_WHO)
         for i, count in enumerate(present.tolist()):
             if count not in (0, self.world_size):
                 p = self._params[i]
