@@ -709,20 +709,19 @@ def _train(
         nonlocal last_save
         run.seconds_before += time.perf_counter() - last_save
         last_save = time.perf_counter()
-        problem = None
+        problem = advice = None
         if lead and not all(bool(torch.isfinite(p).all()) for p in run.model.parameters()):
             # never a checkpoint of NaN or infinite weights: the ones kept stay the last finite ones
-            problem = "the weights are no longer finite (NaN or inf); not written"
+            problem, advice = "the weights are no longer finite (NaN or inf); not written", ""
         elif lead:
             try:
                 store.save(run.state(), run.step)
             except CheckpointWriteError as e:
-                problem = str(e)
+                problem, advice = str(e), ": make room, then run the same command with --resume"
         if group.sum([float(problem is not None)])[0] == 0:
             return True
         if lead:
             newest = _newest_checkpoint(store)
-            advice = "" if "not finite" in problem else ": make room, then run the same command with --resume"
             # through tqdm: on a line of its own, not after the progress bar
             tqdm.write(
                 f"tandem train: error: the checkpoint after step {run.step}: {problem}. {newest}{advice}",
