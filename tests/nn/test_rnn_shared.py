@@ -395,6 +395,48 @@ def test_torch_jit_trace_with_its_check_as_torch(torch_cls, tandem_cls, bidirect
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+@pytest.mark.parametrize(
+    "torch_cls, tandem_cls, kwargs",
+    [
+        pytest.param(torch.nn.GRU, tandem.nn.GRU, {}, id="gru"),
+        pytest.param(torch.nn.LSTM, tandem.nn.LSTM, {}, id="lstm"),
+        pytest.param(torch.nn.LSTM, tandem.nn.LSTM, {"proj_size": 3}, id="lstm-proj"),
+    ],
+)
+def test_torch_jit_script_of_a_model_computes_and_trains_as_torchs(torch_cls, tandem_cls, kwargs):
+    """torch.jit.script compiles torch's forward in the layers' place (TorchScript cannot compile
+    tandem's kernels): the scripted model's outputs and gradients are torch's, its parameters the
+    module's own, and the model's original holds the same state under torch's class."""
+    import warnings
+
+    class Model(torch.nn.Module):
+        def __init__(self, rnn: torch.nn.Module) -> None:
+            super().__init__()
+            self.rnn, self.out = rnn, torch.nn.Linear(2 * (kwargs.get("proj_size") or 6), 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(x)[0])
+
+    settings = dict(num_layers=2, bidirectional=True, dtype=torch.float64, **kwargs)
+    ref, ours = Model(torch_cls(4, 6, **settings)), Model(tandem_cls(4, 6, **settings))
+    ours.load_state_dict(ref.state_dict())
+    rnn = ours.rnn
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated (torch 2.13)
+        scripted_ref, scripted = torch.jit.script(ref.double()), torch.jit.script(ours.double())
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    expected, got = scripted_ref(x), scripted(x)
+    assert torch.equal(got, expected)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+    assert rnn.weight_hh_l0.grad is ours.rnn.weight_hh_l0.grad is not None  # one module's parameters
+    assert type(ours.rnn) is torch_cls and ours.rnn.__dict__ is rnn.__dict__
+    rnn.train(False)
+    assert not ours.rnn.training
+
+
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
 def test_a_weight_set_to_none_is_torchs_type_error(torch_cls, tandem_cls):
     for module in (torch_cls(4, 6), tandem_cls(4, 6)):

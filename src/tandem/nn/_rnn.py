@@ -195,6 +195,22 @@ class RNNLayers(torch.nn.RNNBase):
         torch's own (a non-bool ``bidirectional``, which torch's constructor lets through)."""
         return getattr(torch.nn, self.mode).forward(self, input, hx)
 
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        """What ``torch.jit.script`` compiles in this module's place: the same module seen as torch's
+        GRU or LSTM (one state shared: parameters, settings, hooks, parametrizations), whose forward
+        TorchScript can compile (tandem's kernels and autograd functions it cannot). The scripted module
+        computes and trains as torch's. As with every ``__prepare_scriptable__``, torch.jit.script puts
+        what this returns into the scripted model's original too (its parent's submodules): that model
+        then runs torch's forward there, with the same numbers."""
+        torch_cls = getattr(torch.nn, self.mode)
+        cls: type = torch_cls
+        if type(self).__name__.startswith("Parametrized"):  # torch.nn.utils.parametrize's class
+            properties = {k: v for k, v in vars(type(self)).items() if isinstance(v, property)}
+            cls = type(f"Parametrized{torch_cls.__name__}", (torch_cls,), properties)
+        twin = cls.__new__(cls)
+        twin.__dict__ = self.__dict__
+        return twin
+
     def _take_input(self, input: Tensor | PackedSequence) -> Rows:
         """Unpack a PackedSequence, or check a padded input's dims and unsqueeze an unbatched one."""
         if isinstance(input, PackedSequence):
