@@ -247,7 +247,50 @@ def _check_group_initial_value(rank: int, world: int) -> dict[str, Any]:
     return {"tandem": params(ours), "torch": params(theirs)}
 
 
+def _check_state_dict_hooks(rank: int, world: int) -> dict[str, Any]:
+    """The four state-dict hooks of torch.optim.Optimizer run as in torch.optim.Adagrad: a post hook's
+    replacement is what state_dict() returns, a pre hook's is what load_state_dict() loads."""
+
+    def hooked(opt: torch.optim.Optimizer, log: list[str]) -> None:
+        opt.register_state_dict_pre_hook(lambda o: log.append("save pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: log.append("save post") or {**sd, "note": rank})
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd: (
+                log.append(f"load pre {sd.pop('note', None)}") or {**sd, "param_groups": lr_half(sd)}
+            )
+        )
+        opt.register_load_state_dict_post_hook(lambda o: log.append("load post"))
+
+    def lr_half(sd: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{**g, "lr": g["lr"] / 2} for g in sd["param_groups"]]
+
+    m = model()
+    opt = ZeroAdagrad(groups(m), **HYPER, timeout=TIMEOUT_S)
+    theirs = model()
+    torch_opt = torch.optim.Adagrad(groups(theirs), **HYPER)
+    logs: dict[str, list[str]] = {"tandem": [], "torch": []}
+    hooked(opt, logs["tandem"])
+    hooked(torch_opt, logs["torch"])
+    train(DistributedDataParallel(m, timeout=TIMEOUT_S), opt, range(1), world, rank)
+    train(theirs, torch_opt, range(1), world, None)
+    opt.consolidate_state_dict(to=0)
+    saved = {"torch": torch_opt.state_dict()}
+    if rank == 0:
+        saved["tandem"] = opt.state_dict()
+    opt.load_state_dict(saved["torch"])
+    torch_opt.load_state_dict(saved["torch"])
+    return {
+        "logs": logs,
+        "notes": {k: v.get("note") for k, v in saved.items()},
+        "lr": {
+            "tandem": [g["lr"] for g in opt.param_groups],
+            "torch": [g["lr"] for g in torch_opt.param_groups],
+        },
+    }
+
+
 CHECKS = {
+    "state_dict_hooks": _check_state_dict_hooks,
     "group_initial_value": _check_group_initial_value,
     "train": _check_train_and_state,
     "load": _check_load,

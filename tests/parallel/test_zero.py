@@ -148,6 +148,17 @@ def test_a_groups_own_initial_accumulator_value_is_not_used_as_in_torch(group):
         assert_params(res["tandem"], res["torch"], **TIGHT)
 
 
+def test_state_dict_hooks_run_as_in_torch(group):
+    world, results = group
+    for rank, res in enumerate(check(results, "state_dict_hooks")):
+        loading = [f"load pre {rank}", "load post"]  # each rank loads its torch optimizer's state dict
+        assert res["logs"]["torch"] == ["save pre", "save post", *loading]
+        # rank 0 alone holds the consolidated state and saves
+        assert res["logs"]["tandem"] == (["save pre", "save post"] if rank == 0 else []) + loading
+        assert res["notes"] == ({"torch": 0, "tandem": 0} if rank == 0 else {"torch": rank})
+        assert res["lr"]["tandem"] == res["lr"]["torch"] == [0.05, 0.025]
+
+
 def test_mixed_dtypes(group):
     world, results = group
     m = w.Mixed()

@@ -473,12 +473,31 @@ class ZeroAdagrad(Optimizer):
                 f"ZeroAdagrad: the state was consolidated on rank {to}, not on this rank ({self.rank}); "
                 f"call state_dict() there"
             )
-        return full
+        # As torch.optim.Optimizer.state_dict: its hooks run, and every call returns a new dict (a post
+        # hook may change or replace it) holding the state's tensors.
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = {
+            "state": {i: dict(entry) for i, entry in full["state"].items()},
+            "param_groups": [dict(group) for group in full["param_groups"]],
+        }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state (ZeroAdagrad's consolidated one, or ``torch.optim.Adagrad``'s); every rank
         keeps its shard. Call it on every rank with the same state. Checks everything before changing
-        anything."""
+        anything. Its hooks run as torch.optim.Optimizer's: the pre-hooks on a shallow copy of
+        ``state_dict`` (one may return another), the post-hooks once the state is loaded."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                replaced = pre_hook(self, state_dict)
+                if replaced is not None:
+                    state_dict = replaced
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
             raise ValueError(
                 "ZeroAdagrad.load_state_dict: expected a dict with 'state' and 'param_groups' (a "
@@ -521,6 +540,8 @@ class ZeroAdagrad(Optimizer):
                 if entry.get("sum") is not None:
                     state["sum"].copy_(self._slice(i, entry["sum"].to(p.device, p.dtype)))
         self._consolidated = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _unsupported(p: Tensor) -> str | None:
