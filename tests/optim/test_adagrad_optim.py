@@ -9,7 +9,10 @@ from __future__ import annotations
 import copy
 import io
 import re
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +107,18 @@ def test_trajectory_other_dtypes(dtype, atol):
     ours, _ = _run(lambda ps: Adagrad(ps, **options), init, noise, dtype)
     assert all(p.dtype == dtype for p in ours)
     _assert_flash_rule(ours, theirs, ref, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_dtypes_are_torchs_default_bit_for_bit(dtype):
+    """torch's CPU default is its per-tensor update (foreach only defaults for CUDA tensors), whose
+    addcdiv_ takes -clr unrounded: the same numbers to the bit over many steps, lr_decay included."""
+    options = {"lr": 0.05, "lr_decay": 1e-3, "weight_decay": 0.02, "maximize": True}
+    init, noise = _init(), _noise(100)
+    theirs, _ = _run(lambda ps: torch.optim.Adagrad(ps, **options), init, noise, dtype)
+    ours, _ = _run(lambda ps: Adagrad(ps, **options), init, noise, dtype)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
 
 
 def test_complex_parameters_match_torch():
@@ -346,7 +361,9 @@ def _sparse_grad(p: torch.nn.Parameter) -> torch.Tensor:
     return torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2, p.shape[1]), p.shape)
 
 
-@pytest.mark.parametrize("case", ["fused-sparse", "fused-complex-second", "foreach-differentiable"])
+@pytest.mark.parametrize(
+    "case", ["fused-sparse", "fused-complex-second", "foreach-differentiable", "fused-made-differentiable"]
+)
 def test_step_refusals_as_torch_before_any_change(case):
     """torch's error at step(), and nothing moved (torch may have updated the groups before the one it
     refuses; tandem checks every group first)."""
@@ -357,9 +374,13 @@ def test_step_refusals_as_torch_before_any_change(case):
             odd, kwargs = torch.nn.Parameter(torch.ones(4, 2)), dict(fused=True)
         elif case == "fused-complex-second":
             odd, kwargs = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64)), dict(fused=True)
-        else:
+        elif case == "foreach-differentiable":
             odd, kwargs = torch.nn.Parameter(torch.ones(2)), dict(foreach=True, differentiable=True)
+        else:
+            odd, kwargs = torch.nn.Parameter(torch.ones(2)), dict(fused=True)
         opt = cls([{"params": [dense], "lr": 0.5}, {"params": [odd]}], **kwargs)
+        if case == "fused-made-differentiable":
+            opt.param_groups[1]["differentiable"] = True
         dense.grad = torch.ones(3)
         odd.grad = _sparse_grad(odd) if case == "fused-sparse" else torch.ones_like(odd)
         return opt, dense, odd
@@ -372,6 +393,95 @@ def test_step_refusals_as_torch_before_any_change(case):
     assert torch.equal(dense, torch.ones(3)) and torch.equal(odd.detach(), torch.ones_like(odd))
     assert all(opt.state[p]["step"].item() == 0 for p in (dense, odd))
     assert torch.equal(opt.state[dense]["sum"], torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "plain"),
+    [
+        ("maximize", 1, True),
+        ("maximize", np.True_, True),
+        ("maximize", torch.tensor(True), True),
+        ("maximize", "yes", True),
+        ("lr", Fraction(1, 10), 0.1),
+        ("lr", np.float64(0.1), 0.1),
+        ("lr", np.array(0.1), 0.1),
+        ("lr_decay", Fraction(1, 10), 0.1),
+    ],
+    ids=[
+        "maximize-int", "maximize-numpy", "maximize-tensor", "maximize-string", "lr-fraction", "lr-numpy",
+        "lr-numpy-0d", "lr-decay-fraction",
+    ],
+)  # fmt: skip
+def test_hyperparameters_of_other_types_step_as_torchs_default(key, value, plain):
+    """What torch's CPU default (its per-tensor update) takes: a truth value for maximize, numbers that
+    Python divides by a float. tandem's kernels take a float and a bool: it reads them the same way."""
+
+    def run(cls, v, **kwargs):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+        opt = cls([p], lr=0.2, lr_decay=0.05, **kwargs)
+        opt.param_groups[0][key] = v  # after construction: no constructor check to pass
+        for t in range(3):
+            p.grad = torch.cos(p.detach() * (t + 1))
+            opt.step()
+        return p.detach(), opt.state[p]["step"].item()
+
+    expected, steps = run(torch.optim.Adagrad, value)
+    got, our_steps = run(Adagrad, value)
+    assert our_steps == steps == 3
+    assert torch.equal(got, run(Adagrad, plain)[0])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-7)  # fused against per-tensor: last bits
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("lr", Decimal("0.1")), ("eps", Fraction(1, 1000)), ("weight_decay", Fraction(1, 10)), ("lr", "0.1")],
+    ids=["decimal-lr", "fraction-eps", "fraction-weight-decay", "string-lr"],
+)
+def test_hyperparameters_torch_refuses_raise_its_error_before_any_change(key, value):
+    def make(cls):
+        a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+        opt = cls([{"params": [a]}, {"params": [b]}], lr=0.1)
+        opt.param_groups[1][key] = value
+        a.grad, b.grad = torch.ones(3), torch.ones(2)
+        return opt, a, b
+
+    theirs = _raised(make(torch.optim.Adagrad)[0].step)
+    opt, a, b = make(Adagrad)
+    assert _raised(opt.step) == theirs and theirs[0] is TypeError
+    assert torch.equal(a.detach(), torch.ones(3)) and torch.equal(b.detach(), torch.ones(2))
+    assert all(opt.state[p]["step"].item() == 0 for p in (a, b))
+
+
+def test_a_gradient_of_another_dtype_steps_as_torchs_default():
+    """A float64 gradient set through ``.data`` on a float32 parameter (master-weight code): torch's
+    per-tensor ops promote it; tandem takes them for that parameter, bit for bit."""
+
+    def run(cls):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+        q = torch.nn.Parameter(torch.linspace(0, 1, 4))
+        opt = cls([p, q], lr=0.2, lr_decay=0.05, weight_decay=0.01)
+        for t in range(3):
+            p.grad = torch.zeros(6)
+            p.grad.data = torch.sin(p.detach().double() * (t + 1))
+            q.grad = torch.cos(q.detach() * (t + 1))
+            opt.step()
+        return p.detach(), q.detach(), opt.state[p]["sum"]
+
+    (p_want, q_want, sum_want), (p_got, q_got, sum_got) = run(torch.optim.Adagrad), run(Adagrad)
+    assert torch.equal(p_got, p_want) and torch.equal(sum_got, sum_want)
+    torch.testing.assert_close(q_got, q_want, rtol=0, atol=1e-7)
+
+
+def test_a_state_without_step_is_torchs_key_error_before_any_change():
+    p = torch.nn.Parameter(torch.randn(4))
+    sd = copy.deepcopy(Adagrad([p]).state_dict())
+    del sd["state"][0]["step"]
+    sd["param_groups"][0]["lr"] = 0.5
+    assert _raised(lambda: torch.optim.Adagrad([p]).load_state_dict(copy.deepcopy(sd)))[0] is KeyError
+    opt = Adagrad([p], initial_accumulator_value=0.1)
+    with pytest.raises(KeyError, match="expected 'step' in the state of each parameter"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 1e-2 and torch.equal(opt.state[p]["sum"], torch.full((4,), 0.1))
 
 
 def test_differentiable_refuses_an_lr_that_requires_grad():

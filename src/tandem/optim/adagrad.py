@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from tandem._device import to_device
-from tandem.ops.adagrad import adagrad_unchecked, step_device
+from tandem.ops.adagrad import adagrad_unchecked, hyperparameters, step_device
 
 try:  # torch's check of fused=True, with its message (a private helper: absent, nothing is checked)
     from torch.optim.optimizer import _device_dtype_check_for_fused
@@ -169,6 +169,12 @@ class Adagrad(Optimizer):
         per_param = state.get("state", {})
         for group in state.get("param_groups", []):
             for p in group["params"]:
+                if per_param.get(p) and "step" not in per_param[p]:  # torch's KeyError, but before any change
+                    keys = sorted(per_param[p])
+                    raise KeyError(
+                        f"Adagrad: expected 'step' in the state of each parameter, got {keys} for one of "
+                        f"shape {tuple(p.shape)}"
+                    )
                 total = per_param.get(p, {}).get("sum")
                 if total is not None and (not torch.is_tensor(total) or total.shape != p.shape):
                     got = tuple(total.shape) if torch.is_tensor(total) else type(total).__name__
@@ -266,6 +272,8 @@ class Adagrad(Optimizer):
                     raise RuntimeError("weight_decay option is not compatible with sparse gradients")
                 if group["fused"] and any(g.is_sparse or torch.is_complex(p) for p, g in zip(params, grads)):
                     raise RuntimeError("`fused` does not support sparse grad or complex param")
+                if group["fused"] and group["differentiable"]:  # set after construction: torch's error
+                    raise RuntimeError("adagrad with fused=True does not support differentiable=True")
                 lr = group["lr"]
                 if isinstance(lr, Tensor) and lr.numel() != 1:
                     # a tensor lr set in param_groups after construction: torch's update refuses it with
@@ -281,6 +289,8 @@ class Adagrad(Optimizer):
                         "Adagrad: differentiable=True takes lr as a number or a tensor that does not "
                         "require grad, got a tensor that requires grad"
                     )
+                # what torch's update refuses, with its error, before any group moves
+                hyperparameters(lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"])
                 work.append((group, params, grads, sums, steps))
 
         maxima: list[Tensor] = []

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from tandem.ops.adagrad import adagrad_unchecked
+from tandem.ops.adagrad import adagrad_unchecked, hyperparameters
 from tandem.optim.adagrad import check_hyperparameters
 from tandem.parallel.comm import (
     all_reduce,
@@ -328,6 +328,10 @@ class ZeroAdagrad(Optimizer):
                 ss.append(state["sum"])
                 ts.append(state["step"])  # counted on every rank, so any rank can report it
             if ps:
+                # torch's error for a setting its update refuses, before any group moves
+                hyperparameters(
+                    group["lr"], group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"]
+                )
                 work.append((group, ps, gs, ss, ts))
         for group, ps, gs, ss, ts in work:
             adagrad_unchecked(

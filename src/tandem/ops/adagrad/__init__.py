@@ -10,7 +10,28 @@ from tandem._device import to_device
 from tandem.ops.adagrad.op import adagrad_step_dispatch
 from tandem.ops.adagrad.reference import adagrad_tensor_ref
 
-__all__ = ["adagrad", "adagrad_unchecked", "step_device"]
+__all__ = ["adagrad", "adagrad_unchecked", "hyperparameters", "step_device"]
+
+_PROBE = torch.empty(0)
+
+
+def hyperparameters(
+    lr: float | Tensor, lr_decay: float, weight_decay: float, eps: float, maximize: bool
+) -> tuple[float, float, float, float, bool]:
+    """``lr``, ``lr_decay``, ``weight_decay``, ``eps`` as floats and ``maximize`` as a bool, read as
+    torch's per-tensor update reads them: a tensor ``lr`` by its value, a ``Fraction`` or numpy number
+    by Python's arithmetic with a float, ``maximize`` by its truth value. What that update refuses raises
+    its error here, before any tensor changes (the kernels take floats and a bool only)."""
+    if isinstance(lr, Tensor):
+        lr = lr.item()  # as torch's for-loop path, which passes it on as a Python number
+    maximize = bool(maximize)
+    # torch's ops on nothing: its clr = lr / (1 + (step - 1) * lr_decay), its addcdiv_ value, eps, alpha
+    clr = lr / (1 + 0.0 * lr_decay)
+    _PROBE.addcdiv(_PROBE, _PROBE, value=-clr)
+    _PROBE.add_(eps)
+    if weight_decay != 0:
+        _PROBE.add(_PROBE, alpha=weight_decay)
+    return float(lr), float(lr_decay), float(weight_decay), float(eps), maximize
 
 
 def step_device(device: torch.device) -> torch.device:
@@ -105,17 +126,24 @@ def adagrad_unchecked(
     ``tandem.optim.Adagrad`` creates (or validates on load) every state tensor, and torch checks every
     ``.grad`` against its parameter; the checks cost ~0.35 us per tensor per step otherwise.
     """
-    if isinstance(lr, Tensor):
-        lr = lr.item()  # as torch's for-loop path, which passes it on as a Python number
+    lr, lr_decay, weight_decay, eps, maximize = hyperparameters(lr, lr_decay, weight_decay, eps, maximize)
     if weight_decay != 0 and any(g.is_sparse for g in grads):
         raise RuntimeError("weight_decay option is not compatible with sparse gradients")
 
     # Group before touching anything. Tensor subclasses (DTensor, ...) take the per-tensor PyTorch path:
-    # the kernels address plain storage.
+    # the kernels address plain storage. So does a gradient of another dtype, device or shape than its
+    # parameter's (set through ``.data``): torch's per-tensor ops promote or broadcast it, or refuse it.
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
     plain: list[int] = []
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
-        if differentiable or g.is_sparse or not (type(p) is Parameter or type(p) is Tensor):
+        if (
+            differentiable
+            or g.is_sparse
+            or not (type(p) is Parameter or type(p) is Tensor)
+            or g.dtype != p.dtype
+            or g.device != p.device
+            or g.shape != p.shape
+        ):
             plain.append(i)
             continue
         if p.is_complex():

@@ -135,9 +135,11 @@ def adagrad_group_ref(
 ) -> Tensor | None:
     """:func:`adagrad_tensor_ref` over dense real tensors of one device and dtype, with ``_foreach`` ops.
 
-    Same ops, in the same order, as torch's multi-tensor Adagrad, so bit-for-bit the result of
-    ``foreach=False`` on CPU. ``state_steps`` are read (already counted), not changed. Returns the
-    largest absolute change over all ``params`` when ``track``.
+    The roundings of torch's per-tensor Adagrad (``foreach=False``, torch's default for CPU tensors):
+    bit for bit its result on the CPU, in every dtype. (torch's multi-tensor path, its default on CUDA,
+    first rounds ``-clr * grad`` to the tensors' dtype: in bfloat16 and float16 that differs by an ulp
+    here and there.) ``state_steps`` are read (already counted), not changed. Returns the largest
+    absolute change over all ``params`` when ``track``.
     """
     if not params:
         return None
@@ -149,7 +151,7 @@ def adagrad_group_ref(
     torch._foreach_addcmul_(state_sums, g, g, value=1)
     std = torch._foreach_sqrt(state_sums)
     torch._foreach_add_(std, eps)
-    torch._foreach_addcdiv_(params, torch._foreach_mul(g, minus_clr), std)
+    torch._foreach_addcdiv_(params, g, std, minus_clr)  # clr unrounded, as the for-loop's addcdiv_
     if old is None:
         return None
     torch._foreach_sub_(old, params)
