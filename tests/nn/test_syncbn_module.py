@@ -283,6 +283,42 @@ def check_large_offset(rank: int, batches: list[int]) -> None:
     rep.finish()
 
 
+def check_large_offset_float64(rank: int, batches: list[int]) -> None:
+    """float64 at a timestamp-like mean (1.7e9, std 1): torch's BatchNorm on the concatenated batch to
+    the data's own precision (the ranks' statistics merge from centred differences; a merge of sums left
+    nothing of the variance there)."""
+    rep = Report()
+    full = 1.7e9 + torch.randn(sum(batches), C, 9, generator=_gen("offset64"), dtype=torch.float64)
+    part = _slice(batches, rank)
+    ours = tandem.nn.SyncBatchNorm(C, dtype=torch.float64)
+    y = ours(full[part])
+    ref = torch.nn.BatchNorm1d(C, dtype=torch.float64)
+    rep.close("y", y, ref(full)[part], atol=1e-6, rtol=0)
+    rep.close("running_mean", ours.running_mean, ref.running_mean, atol=0, rtol=1e-15)
+    rep.close("running_var", ours.running_var, ref.running_var, atol=0, rtol=1e-6)
+    rep.finish()
+
+
+def check_dtypes_differ_over_ranks(rank: int, batches: list[int]) -> None:
+    """Rank 0 normalises float64, the others float32 (each its own module's dtype): the collectives carry
+    float64 either way, so both directions complete and every rank gets the concatenated batch's numbers."""
+    rep = Report()
+    dtype = torch.float64 if rank == 0 else torch.float32
+    full = torch.randn(sum(batches), C, 4, generator=_gen("dtypes"), dtype=torch.float64)
+    grad = torch.randn(full.shape, generator=_gen("dtypes", "g"), dtype=torch.float64)
+    part = _slice(batches, rank)
+    ours = tandem.nn.SyncBatchNorm(C, dtype=dtype)
+    x = full[part].to(dtype).requires_grad_()
+    (ours(x) * grad[part].to(dtype)).sum().backward()
+    ref = torch.nn.BatchNorm1d(C, dtype=torch.float64)
+    x64 = full.clone().requires_grad_()
+    y64 = ref(x64)
+    (y64 * grad).sum().backward()
+    rep.close("dx", x.grad, x64.grad[part], atol=1e-5, rtol=1e-5)
+    rep.close("running_var", ours.running_var, ref.running_var, atol=1e-6, rtol=1e-6)
+    rep.finish()
+
+
 def check_masked(rank: int, batches: list[int]) -> None:
     """Padded frames (NaN here) are out of the statistics and get output 0 and gradient 0; the real
     frames match BatchNorm1d on the real frames of all ranks, via mask=, lengths=, a PackedSequence,
@@ -444,6 +480,9 @@ def _checks(world: int) -> dict[str, Callable[[int, list[int]], None]]:
         f"equal-{case}": (lambda r, b, case=case: check_equal_to_batchnorm(r, b, case)) for case in CASES
     }
     checks.update(collectives=check_collectives, large_offset=check_large_offset, masked=check_masked)
+    checks.update(
+        large_offset_float64=check_large_offset_float64, dtypes_differ=check_dtypes_differ_over_ranks
+    )
     checks["late"] = check_late_rank
     checks["second_derivative"] = check_second_derivative_refused
     if world == 2:
@@ -537,6 +576,18 @@ def test_one_collective_per_direction(verdicts, world):
 @pytest.mark.parametrize("world", WORLD_IDS)
 def test_large_offset_float32(verdicts, world):
     _assert_ok(verdicts, world, "large_offset")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world", WORLD_IDS)
+def test_large_offset_float64(verdicts, world):
+    _assert_ok(verdicts, world, "large_offset_float64")
+
+
+@pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("world", WORLD_IDS)
+def test_ranks_of_different_dtypes(verdicts, world):
+    _assert_ok(verdicts, world, "dtypes_differ")
 
 
 @pytest.mark.timeout(JOIN_TIMEOUT_S + 30)
@@ -739,6 +790,107 @@ def test_bad_input_raises_like_torch():
     assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_var, torch.ones(4))
     with pytest.raises(ValueError, match="non-zero"):
         tandem.nn.SyncBatchNorm(0)(torch.randn(3, 0))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_a_checkpoints_recomputation_counts_as_torchs(masked):
+    """A non-reentrant checkpoint recomputes the forward in backward and stops right after the op: the
+    running statistics move twice a step and so does num_batches_tracked, as torch's (momentum=None:
+    the cumulative average reads the count)."""
+    import torch.utils.checkpoint as cp
+
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    ref, ours = torch.nn.BatchNorm1d(3, momentum=None), tandem.nn.SyncBatchNorm(3, momentum=None)
+    for step in range(3):
+        x = torch.randn(4, 3, 5, generator=_gen("ckpt", step))
+        cp.checkpoint(ref, x.clone().requires_grad_(), use_reentrant=False).sum().backward()
+        run = (lambda t: ours(t, mask=mask)) if masked else ours
+        cp.checkpoint(run, x.clone().requires_grad_(), use_reentrant=False).sum().backward()
+    assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 6
+    torch.testing.assert_close(ours.running_mean, ref.running_mean)
+    torch.testing.assert_close(ours.running_var, ref.running_var)
+
+
+@pytest.mark.parametrize(
+    "case", ["int64", "bool", "complex64", "float64-in-float32", "float32-in-float64", "bfloat16-module",
+             "running-var-none"],
+)  # fmt: skip
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_inputs_torch_refuses_are_refused_with_its_error(case, masked):
+    """What torch's batch norm refuses (integer, bool and complex inputs, dtypes it does not mix, one
+    running statistic without the other) is refused with its error on the masked path too, where tandem's
+    own kernels run; nothing moves."""
+    dtypes = {"int64": torch.int64, "bool": torch.bool, "complex64": torch.complex64}
+    x = torch.ones(
+        4, 3, 5, dtype=dtypes.get(case, torch.float64 if case == "float64-in-float32" else torch.float32)
+    )
+    module_dtype = {"float32-in-float64": torch.float64, "bfloat16-module": torch.bfloat16}.get(case)
+    mods = [cls(3, dtype=module_dtype) for cls in (torch.nn.BatchNorm1d, tandem.nn.SyncBatchNorm)]
+    if case == "running-var-none":
+        for m in mods:
+            m.running_var = None
+    theirs = _outcome(mods[0], x)
+    assert isinstance(theirs, tuple), "torch computes this"
+    kwargs = {"mask": torch.ones(4, 5, dtype=torch.bool)} if masked else {}
+    try:
+        mods[1](x, **kwargs)
+        ours = None
+    except Exception as e:
+        ours = type(e), str(e)
+    assert ours == theirs
+    assert int(mods[1].num_batches_tracked) == 0 and not mods[1].running_mean.any()
+
+
+def test_an_infinite_value_makes_the_running_mean_infinite_as_torchs():
+    x = torch.randn(4, 2, 5, dtype=torch.float64)
+    x[1, 0, 2] = float("inf")
+    ref, ours = torch.nn.BatchNorm1d(2, dtype=torch.float64), tandem.nn.SyncBatchNorm(2, dtype=torch.float64)
+    ref(x), ours(x, mask=torch.ones(4, 5, dtype=torch.bool))
+    assert ours.running_mean[0] == ref.running_mean[0] == float("inf")
+    torch.testing.assert_close(ours.running_mean[1], ref.running_mean[1])
+
+
+def test_a_transposed_input_gives_torchs_contiguous_output():
+    """[N, L, C] seen as [N, C, L]: torch's batch norm returns a contiguous output (``view`` works on it)."""
+    x = torch.randn(4, 7, 3).transpose(1, 2)
+    y = tandem.nn.SyncBatchNorm(3)(x, mask=torch.ones(4, 7, dtype=torch.bool))
+    ref = torch.nn.BatchNorm1d(3)(x)
+    assert ref.is_contiguous() and y.is_contiguous()
+    torch.testing.assert_close(y, ref)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train-untracked", "eval"])
+def test_masked_forward_ad_and_torch_func_are_batchnorms_over_the_real_frames(training):
+    """Forward-mode AD (a jvp) and torch.func.grad through the masked path (its kernels' backward is
+    hand-written): BatchNorm1d's over the real frames alone, as for the first derivatives."""
+    from torch.func import grad as func_grad
+    from torch.func import jvp
+
+    x = torch.randn(3, 2, 6, dtype=torch.float64)
+    lengths = torch.tensor([6, 2, 4])
+    mask = torch.arange(6) < lengths[:, None]
+    ours = tandem.nn.SyncBatchNorm(2, track_running_stats=not training, dtype=torch.float64)
+    ref = torch.nn.BatchNorm1d(2, track_running_stats=not training, dtype=torch.float64)
+    with torch.no_grad():
+        for m in (ours, ref):
+            m.weight.copy_(torch.tensor([1.5, -0.5]))
+            if not training:
+                m.running_mean.copy_(torch.tensor([0.3, -0.2]))
+                m.running_var.copy_(torch.tensor([2.0, 0.7]))
+    ours.train(training), ref.train(training)
+
+    def real(t: torch.Tensor) -> torch.Tensor:  # [N, C, L] -> the real frames [F, C]
+        return t.permute(0, 2, 1)[mask]
+
+    def f_ours(t):
+        return real(ours(t, mask=mask)).sin().sum()
+
+    def f_ref(t):
+        return ref(real(t).T.unsqueeze(0)).sin().sum()  # [1, C, F]: the real frames as one sequence
+
+    tangent = torch.randn_like(x)
+    torch.testing.assert_close(jvp(f_ours, (x,), (tangent,)), jvp(f_ref, (x,), (tangent,)))
+    torch.testing.assert_close(func_grad(f_ours)(x), func_grad(f_ref)(x))
 
 
 def _outcome(module: torch.nn.Module, x: torch.Tensor) -> tuple[type, str] | torch.Tensor:

@@ -8,18 +8,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd import forward_ad
 from torch.nn.utils.rnn import PackedSequence
 
 from tandem._backend import use_triton
+from tandem.ops._recompute import needs_autograd_ops, transformed
 
 __all__ = ["Rows", "RNNLayers", "needs_formulas"]
-
-
-def _transformed() -> bool:
-    """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap) is running."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and not torch.compiler.is_compiling() and peek() is not None
 
 
 def _versions_unchanged(
@@ -41,10 +35,8 @@ def needs_formulas(batch: int, *tensors: Tensor | None) -> bool:
     backward serves reverse-mode autograd on real numbers only: an empty batch (``batch`` 0), complex
     numbers, forward-mode AD (a tangent on any of ``tensors``) and torch.func's transforms. As torch's
     own layers there, slower and with the same values."""
-    present = [t for t in tensors if t is not None]
-    if batch == 0 or any(t.is_complex() for t in present) or _transformed():
-        return True
-    return any(forward_ad.unpack_dual(t).tangent is not None for t in present)
+    complex_numbers = any(t is not None and t.is_complex() for t in tensors)
+    return batch == 0 or complex_numbers or needs_autograd_ops(*tensors)
 
 
 @dataclass
@@ -150,7 +142,7 @@ class RNNLayers(torch.nn.RNNBase):
     def _check_versions_in_backward(self, copy: Tensor, originals: list[Tensor], names: list[str]) -> None:
         """Raise autograd's in-place error in the backward through ``copy`` if one of ``originals`` (the
         parameters it was made from) has changed in place since now."""
-        if not (copy.requires_grad and torch.is_grad_enabled()) or _transformed():
+        if not (copy.requires_grad and torch.is_grad_enabled()) or transformed():
             return
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return

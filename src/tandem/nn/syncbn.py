@@ -8,6 +8,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import PackedSequence
@@ -15,6 +16,10 @@ from torch.nn.utils.rnn import PackedSequence
 from tandem.ops.syncbn import sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
+
+# What a non-reentrant checkpoint raises to end its recomputation once the tensors it needs are back: not
+# a failed forward (a private class; where a torch lacks it, nothing is mistaken for it).
+_STOP_RECOMPUTATION: type | tuple[type, ...] = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 # Whether torch.nn.SyncBatchNorm (and so torch's _BatchNorm) takes ``bias``: 2.13 does, 2.11 does not.
 TAKES_BIAS = "bias" in inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters
@@ -26,12 +31,14 @@ class SyncBatchNorm(_BatchNorm):
     The constructor, parameters, buffers and ``state_dict`` keys are ``torch.nn.BatchNormNd``'s
     (``weight, bias, running_mean, running_var, num_batches_tracked``), so checkpoints load both ways.
     In training the mean and variance are those of all ranks' frames together, weighted by each rank's
-    frame count (uneven batches are right, a rank may have 0 or 1 sample), merged with one collective of
-    ``2C + 1`` float64 values that stays accurate when ``|mean| / std`` is large (an ``all_reduce`` on
-    GPUs; on CPUs an ``all_gather`` and a local sum, which Gloo does faster for so small a tensor:
-    :func:`tandem.ops.syncbn.sum_over_ranks`); ``running_mean``/``running_var`` (unbiased) come out
-    identical on every rank. The backward does one such collective of ``2C`` values; weight and bias
-    gradients are local, as torch's (the data-parallel wrapper averages them). In eval mode, in a group
+    frame count (uneven batches are right, a rank may have 0 or 1 sample): one ``all_gather`` of every
+    rank's ``2C + 1`` float64 statistics (mean, centred sum of squares, count), merged on every rank from
+    centred differences, so it stays accurate however large ``|mean| / std`` is
+    (:func:`tandem.ops.syncbn.gather_over_ranks`); ``running_mean``/``running_var`` (unbiased) come out
+    identical on every rank. The backward does one collective of ``2C`` float64 sums (an ``all_reduce``
+    on GPUs; on CPUs an ``all_gather`` and a local sum, which Gloo does faster for so small a tensor:
+    :func:`tandem.ops.syncbn.sum_over_ranks`), so ranks may normalise different float dtypes; weight and
+    bias gradients are local, as torch's (the data-parallel wrapper averages them). In eval mode, in a group
     of one process, or when torch.distributed is not initialised, it is plain batch norm and
     communicates nothing.
     Every rank of the group must call it the same number of times (it is a collective).
@@ -179,7 +186,7 @@ class SyncBatchNorm(_BatchNorm):
     def _normalize(self, input: Tensor, mask: Tensor | None) -> Tensor:
         self._check_input_dim(input)
         self._check_channels(input)
-        # torch's logic, except that num_batches_tracked moves only once the step has succeeded
+        # torch's logic, except that num_batches_tracked moves back when the step fails
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is None:
             raise AssertionError("num_batches_tracked must not be None")  # torch.nn.SyncBatchNorm's check
@@ -189,22 +196,28 @@ class SyncBatchNorm(_BatchNorm):
         # batch statistics in training, and in eval when there are no running statistics
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         keep_buffers = not self.training or self.track_running_stats
-        out = sync_batch_norm(
-            input,
-            self.running_mean if keep_buffers else None,
-            self.running_var if keep_buffers else None,
-            self.weight,
-            self.bias,
-            bn_training,
-            factor,
-            self.eps,
-            mask=mask,
-            process_group=self.process_group,
-            sync=self.training,  # torch.nn.SyncBatchNorm never communicates in eval mode
-        )
         if tracking:
+            # before the op, as torch's: a non-reentrant checkpoint's recomputation stops right after the
+            # op (its early stop) and must count too
             self.num_batches_tracked.add_(1)
-        return out
+        try:
+            return sync_batch_norm(
+                input,
+                self.running_mean if keep_buffers else None,
+                self.running_var if keep_buffers else None,
+                self.weight,
+                self.bias,
+                bn_training,
+                factor,
+                self.eps,
+                mask=mask,
+                process_group=self.process_group,
+                sync=self.training,  # torch.nn.SyncBatchNorm never communicates in eval mode
+            )
+        except BaseException as e:
+            if tracking and not isinstance(e, _STOP_RECOMPUTATION):  # a refused forward counts nothing
+                self.num_batches_tracked.sub_(1)
+            raise
 
     @classmethod
     def convert_sync_batchnorm(

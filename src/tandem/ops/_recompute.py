@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from tandem.ops._packed import PackedSteps
 
@@ -59,6 +60,21 @@ def packed_layer(
         outputs.append(out if d == 0 else out.index_select(0, steps.rev_rows))
         finals.append(tuple(torch.cat(parts) for parts in zip(*reversed(done))))
     return torch.cat(outputs, 1), tuple(torch.stack(parts) for parts in zip(*finals))
+
+
+def transformed() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap) is running."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and not torch.compiler.is_compiling() and peek() is not None
+
+
+def needs_autograd_ops(*tensors: Tensor | None) -> bool:
+    """Whether a hand-written backward (an ``autograd.Function`` without ``jvp``/``vmap``) cannot serve:
+    forward-mode AD (a tangent on any of ``tensors``) or a torch.func transform. Then an op computes with
+    autograd-tracked PyTorch ops instead, which every AD mode differentiates."""
+    if transformed():
+        return True
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def wants_graph(*tensors: Tensor | None) -> bool:

@@ -1,8 +1,9 @@
 """``tandem.ops.syncbn``: batch norm whose statistics are synchronized over a process group.
 
 The local kernels are custom ops (``torch.ops.tandem.syncbn_*``, see ``op.py``); this layer owns the two
-collectives, one per direction on a small packed tensor (:func:`sum_over_ranks`), and the autograd that
-spans them.
+collectives, one per direction on a small float64 tensor (:func:`gather_over_ranks` of every rank's
+statistics forward, :func:`sum_over_ranks` of the gradient sums backward), and the autograd that spans
+them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from tandem._backend import use_triton
-from tandem.ops._recompute import grads_through, wants_graph
+from tandem.ops._recompute import grads_through, needs_autograd_ops, wants_graph
 from tandem.ops.syncbn import op as _op  # noqa: F401  (registers torch.ops.tandem.syncbn_*)
 from tandem.ops.syncbn.reference import (
     acc_dtype,
@@ -29,7 +31,7 @@ from tandem.ops.syncbn.reference import (
     syncbn_unpack_ref,
 )
 
-__all__ = ["sync_batch_norm", "sync_group", "sum_over_ranks"]
+__all__ = ["gather_over_ranks", "sync_batch_norm", "sync_group", "sum_over_ranks"]
 
 
 def sync_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
@@ -58,8 +60,8 @@ def sync_batch_norm(
     """``F.batch_norm`` whose training statistics cover every rank of ``process_group``, and real frames only.
 
     With ``training=True`` the mean and (biased) variance are those of all ranks' frames together,
-    weighted by each rank's frame count (a rank may have none), merged stably in one collective
-    (:func:`sum_over_ranks`); ``running_mean``/``running_var``, when given, move by ``momentum`` towards
+    weighted by each rank's frame count (a rank may have none), merged stably after one collective
+    (:func:`gather_over_ranks`); ``running_mean``/``running_var``, when given, move by ``momentum`` towards
     the global mean and unbiased variance, identically on every rank. The backward does one collective
     (when the input needs a gradient); weight and bias gradients are the rank's own, as in
     torch.nn.SyncBatchNorm. With ``training=False`` the running statistics normalise and nothing is
@@ -102,9 +104,90 @@ def sync_batch_norm(
     group = sync_group(process_group) if training and sync else None
     if group is None and mask is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    return _SyncBatchNorm.apply(
-        _dense(input), weight, bias, mask, running_mean, running_var, training, momentum, eps, group
-    )
+    _check_as_torch(input, running_mean, running_var, weight, bias, training)
+    if needs_autograd_ops(input, weight, bias):
+        if group is not None:
+            raise RuntimeError(
+                "SyncBatchNorm: forward-mode AD and torch.func transforms are not supported while the "
+                "statistics are synchronized over processes"
+            )
+        y = _autograd_batch_norm(
+            input, mask, running_mean, running_var, weight, bias, training, momentum, eps
+        )
+    else:
+        y = _SyncBatchNorm.apply(
+            _dense(input), weight, bias, mask, running_mean, running_var, training, momentum, eps, group
+        )
+    return _torch_layout(y)
+
+
+def _check_as_torch(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    training: bool,
+) -> None:
+    """torch's batch_norm errors for what the kernels would compute anyway: an integer, bool or complex
+    input, an input and parameters of dtypes torch does not mix, one running statistic without the
+    other. The same call on two frames raises them (copies of the running statistics: nothing moves)."""
+    copies = [None if t is None or not training else t.clone() for t in (running_mean, running_var)]
+    stats = copies if training else [running_mean, running_var]
+    with torch.no_grad():
+        F.batch_norm(input.new_zeros((2, input.shape[1])), *stats, weight, bias, training, 0.1, 1.0)
+
+
+def _autograd_batch_norm(
+    x: Tensor,
+    mask: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> Tensor:
+    """Batch norm over the real frames with autograd-tracked ops (one process): what forward-mode AD and
+    torch.func's transforms differentiate, where the kernels' hand-written backward does not reach. The
+    numbers of BatchNorm over the real frames alone, as the kernels'."""
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.unsqueeze(1).expand_as(x)
+    if training:
+        count = keep.sum(dims, keepdim=True)
+        mean = torch.where(keep, x, 0).sum(dims, keepdim=True) / count
+        centred = torch.where(keep, x - mean, 0)
+        var = centred.square().sum(dims, keepdim=True) / count
+        frames = int(count.flatten()[0]) if count.numel() else 0
+        if frames == 1:
+            raise ValueError("Expected more than 1 value per channel when training, got 1 frame")
+        if running_mean is not None and running_var is not None and frames > 0:
+            with torch.no_grad():
+                batch_mean = forward_ad.unpack_dual(mean).primal.flatten()
+                batch_var = forward_ad.unpack_dual(var).primal.flatten() * frames / (frames - 1)
+                running_mean.mul_(1 - momentum).add_(batch_mean.to(running_mean.dtype), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(batch_var.to(running_var.dtype), alpha=momentum)
+        x_hat = centred * torch.rsqrt(var + eps)
+    else:
+        x_hat = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
+    y = x_hat if weight is None else x_hat * weight.view(shape)
+    y = y if bias is None else y + bias.view(shape)
+    return torch.where(keep, y, 0).to(x.dtype)
+
+
+def _torch_layout(y: Tensor) -> Tensor:
+    """``y`` in the memory format torch's batch norm gives for an input of ``y``'s strides: channels_last
+    (4-D) and channels_last_3d (5-D) kept, anything else contiguous (a transposed ``[N, L, C]`` input
+    seen as ``[N, C, L]`` included)."""
+    if y.is_contiguous():
+        return y
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    fmt = formats.get(y.dim())
+    if fmt is not None and y.is_contiguous(memory_format=fmt):
+        return y
+    return y.contiguous()
 
 
 def _check_mask(mask: Tensor, input: Tensor) -> None:
@@ -158,9 +241,9 @@ class _SyncBatchNorm(torch.autograd.Function):
                 mean_l, m2_l, count_l = syncbn_stats_ref(x, mask, scratch=y)
             else:
                 mean_l, m2_l, count_l = torch.ops.tandem.syncbn_stats(x, mask)
-            packed = syncbn_pack_ref(mean_l, m2_l, count_l)  # float64 [2C + 1]
+            packed = syncbn_pack_ref(mean_l, m2_l, count_l).unsqueeze(0)  # float64 [1, 2C + 1]
             if group is not None:
-                packed = sum_over_ranks(packed, group)
+                packed = gather_over_ranks(packed[0], group)  # [ranks, 2C + 1]
             mean, m2, count = syncbn_unpack_ref(packed)  # float64: the kernels split the mean into hi + lo
             # The frame count is on the host for CPU tensors only; on CUDA the check would cost a sync.
             # One frame in all is torch's error; none (every batch empty, or every frame masked) is
@@ -223,7 +306,9 @@ class _SyncBatchNorm(torch.autograd.Function):
             if ctx.batch_stats:
                 combined = torch.cat(sums)  # [2C]: the sums of every rank, then divided by all frames
                 if ctx.group is not None:
-                    combined = sum_over_ranks(combined, ctx.group)
+                    # float64 on the wire whatever the rank's dtype: ranks of float32 and float64 inputs
+                    # send the same bytes
+                    combined = sum_over_ranks(combined.double(), ctx.group).to(sums[0].dtype)
                 mean_dy, mean_dy_xhat = (combined / count.clamp(min=1)).chunk(2)
             else:  # fixed (running) statistics: y is affine in x
                 mean_dy = mean_dy_xhat = torch.zeros_like(invstd)
@@ -267,6 +352,22 @@ def _differentiable_grads(
 POLL_S = 0.02
 
 
+def gather_over_ranks(t: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Every rank's ``t`` (a few hundred bytes), stacked in rank order: ``[ranks, *t.shape]``, the same
+    on every rank of ``group`` (None: the default group). One ``all_gather``; on the CPU the rank polls
+    for it first, as :func:`sum_over_ranks` does."""
+    ranks = dist.get_world_size(group)
+    if t.is_cuda:
+        out = t.new_empty((ranks, *t.shape))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+        return out
+    parts = [torch.empty_like(t) for _ in range(ranks)]
+    work = dist.all_gather(parts, t, group=group, async_op=True)
+    _poll(work.is_completed, POLL_S)
+    work.wait()
+    return torch.stack(parts)
+
+
 def sum_over_ranks(t: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     """The sum of ``t`` (a few hundred bytes of statistics) over the ranks of ``group`` (None: the
     default group): the one collective of each direction of :func:`sync_batch_norm`.
@@ -286,11 +387,7 @@ def sum_over_ranks(t: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     if t.is_cuda:
         dist.all_reduce(t, group=group)
         return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    work = dist.all_gather(parts, t, group=group, async_op=True)
-    _poll(work.is_completed, POLL_S)
-    work.wait()
-    return torch.stack(parts).sum(0)
+    return gather_over_ranks(t, group).sum(0)
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))

@@ -12,11 +12,11 @@ the collectives; everything here is local):
 1. ``syncbn_stats_ref``: the rank's frame count ``n_r``, mean ``m_r`` (float64) and centred sum of
    squares ``M2_r = sum (x - m_r)^2`` (sums of ``x - K`` for a ``K`` near the mean, never
    ``E[x^2] - E[x]^2``).
-2. ``syncbn_pack_ref`` -> ``all_reduce(SUM)`` -> ``syncbn_unpack_ref``: Chan's parallel merge written
-   as a sum, so one all_reduce does it: ``M2 = sum_r M2_r + sum_r n_r (m_r - m)^2`` and
-   ``sum_r n_r (m_r - m)^2 = sum_r n_r m_r^2 - N m^2``. The packed sums are float64: the subtraction
-   cancels ``(|m| / std)^2`` of relative precision, 1e8 at ``|m|/std = 1e4``, which float64's 2^-53
-   absorbs (relative variance error ~1e-8) while float32 sums of ``x`` and ``x^2`` lose everything.
+2. ``syncbn_pack_ref`` -> ``all_gather`` -> ``syncbn_unpack_ref``: every rank's ``(m_r, M2_r, n_r)`` in
+   float64, merged on every rank in the same order by Chan's parallel merge
+   (:func:`merge_stats_ref`): ``M2 = sum_r M2_r + sum_r n_r (m_r - m)^2`` from centred differences, so
+   nothing cancels however large ``|m| / std`` is (a merge of sums, ``sum_r n_r m_r^2 - N m^2``, loses
+   ``(|m| / std)^2`` of relative precision: everything at a mean of 1e9, a timestamp).
 3. ``syncbn_fwd_ref``: ``y = (x - mean) * invstd * w + b``, as a centred difference ``x - hi`` with the
    float64 mean split into ``hi + lo`` (:func:`split_mean`) rather than ``x * a + b'``, so a large mean
    cancels nothing in float32: at ``|mean|/std = 1e4`` the output is within ~1e-6 of float64, where a
@@ -159,24 +159,25 @@ def syncbn_stats_ref(
     s2 = shifted.square_().sum(dims)  # in place: one [N, C, *S] temporary in all
     n = count.clamp(min=1)
     mean = pivot.to(torch.float64) + s1.to(torch.float64) / n
+    # an infinite pivot (a channel holding inf) makes s1 NaN: the mean is the pivot, as torch's sum / n
+    mean = torch.where(pivot.isinf(), pivot.to(torch.float64), mean)
     return mean, (s2 - s1 * s1 / n).clamp(min=0), count
 
 
 def syncbn_pack_ref(mean: Tensor, m2: Tensor, count: Tensor) -> Tensor:
-    """float64 ``[2C + 1]`` = ``[n * mean, m2 + n * mean^2, n]``: summing packs over ranks merges them."""
-    n = count.to(torch.float64).reshape(1)
-    m = mean.to(torch.float64)
-    return torch.cat([n * m, m2.to(torch.float64) + n * m * m, n])
+    """float64 ``[2C + 1]`` = ``[mean, m2, n]``: one rank's statistics, as the collective carries them."""
+    return torch.cat([mean.to(torch.float64), m2.to(torch.float64), count.to(torch.float64).reshape(1)])
 
 
-def syncbn_unpack_ref(packed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(mean [C], m2 [C], count [])`` in float64 from a (summed) :func:`syncbn_pack_ref` tensor."""
-    channels = (packed.numel() - 1) // 2
-    s1, s2, n = packed[:channels], packed[channels : 2 * channels], packed[2 * channels]
-    mean = s1 / n.clamp(min=1)
-    # The merged M2 is a sum of non-negative terms; rounding may leave -tiny for a constant channel.
-    m2 = (s2 - n * mean * mean).clamp(min=0)
-    return mean, m2, n
+def syncbn_unpack_ref(packs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean [C], m2 [C], count [])`` in float64: the merge of ``K`` :func:`syncbn_pack_ref` tensors
+    ``[K, 2C + 1]`` (one per rank, in rank order), or one pack's own statistics for ``K = 1``."""
+    channels = (packs.shape[-1] - 1) // 2
+    mean, m2, n = packs[:, :channels], packs[:, channels : 2 * channels], packs[:, 2 * channels]
+    if packs.shape[0] == 1:
+        return mean[0], m2[0], n[0]
+    total, merged, m2 = merge_stats_ref(n, mean, m2)
+    return merged, m2, total
 
 
 def syncbn_fwd_ref(
