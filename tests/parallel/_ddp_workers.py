@@ -331,6 +331,29 @@ def _check_hooks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _hooked_layouts(wrap, rank: int, world: int, steps: int = 4, **kwargs) -> list[list[list[str]]]:
+    """The buckets a comm hook sees at each step (parameter names, per bucket, in launch order)."""
+    m = Ordered()
+    ddp = wrap(m, **kwargs)
+    names = {id(p): n for n, p in m.named_parameters()}
+    seen: list[list[str]] = []
+
+    def hook(state, bucket):
+        seen.append([names[id(p)] for p in bucket.parameters()])
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp.register_comm_hook(None, hook)
+    layouts = []
+    for step in range(steps):
+        seen.clear()
+        x, y = batch(step, world)
+        loss_fn(ddp(local(x, rank, world)), local(y, rank, world)).backward()
+        layouts.append(sorted(seen, key=len) if len(seen) > 1 else list(seen))
+    return layouts
+
+
 def _check_rebuild(rank: int, world: int) -> dict[str, Any]:
     m = Ordered()
     ddp = TandemDDP(m, bucket_cap_mb=0, timeout=CHECK_TIMEOUT_S)
@@ -338,7 +361,20 @@ def _check_rebuild(rank: int, world: int) -> dict[str, Any]:
     layout = lambda: [[names[id(ddp._params[i])] for i in b.members] for b in ddp._buckets]
     before = layout()
     train(ddp, 2, world, rank)
-    return {"before": before, "after": layout(), "params": params(m)}
+    out: dict[str, Any] = {"before": before, "after": layout(), "params": params(m)}
+    # What a bucket-wise hook (PowerSGD) sees, step by step, against torch's reducer: its first layout
+    # and when it re-cuts (after step 1; after step 2 with static_graph; never with find_unused_parameters)
+    for mode, kwargs in (
+        ("default", {}),
+        ("find_unused", {"find_unused_parameters": True}),
+        ("static", {"static_graph": True}),
+    ):
+        ours = _hooked_layouts(
+            lambda mod, **kw: TandemDDP(mod, timeout=CHECK_TIMEOUT_S, **kw), rank, world, **kwargs
+        )
+        theirs = _hooked_layouts(TorchDDP, rank, world, **kwargs)
+        out[f"hooked_{mode}"] = (ours, theirs)
+    return out
 
 
 def _check_mismatch(rank: int, world: int) -> dict[str, Any]:

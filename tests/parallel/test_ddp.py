@@ -228,6 +228,17 @@ def test_buckets_rebuilt_in_ready_order(main_results):
     assert_same_state(per_rank[0]["params"], reference(w.Ordered, 2), **TIGHT)
 
 
+@pytest.mark.parametrize("mode", ["default", "find_unused", "static"])
+def test_a_bucket_hook_sees_torchs_buckets_at_every_step(main_results, mode):
+    """The first layout (cut along the reverse parameter order, module order inside a bucket) and the
+    step after which the buckets are re-cut in gradient order, as torch's reducer: what a bucket-wise
+    hook (PowerSGD's low-rank factors) computes on."""
+    for res in check(main_results, "rebuild"):
+        ours, theirs = res[f"hooked_{mode}"]
+        assert ours == theirs
+    assert ours[0] != ours[-1] if mode != "find_unused" else ours[0] == ours[-1]
+
+
 @pytest.mark.parametrize("case", ["shape", "dtype", "count"])
 def test_mismatched_models_rejected_on_every_rank(main_results, case):
     for r, res in enumerate(check(main_results, "mismatch")):

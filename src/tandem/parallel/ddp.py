@@ -421,8 +421,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._comm_state: Any = None
         self._buckets: list[_Bucket] = []
         self._slot: list[tuple[_Bucket, int]] = []
-        self._build_buckets(list(reversed(range(n))))
+        # torch's first layout: buckets cut along the reverse parameter order, each bucket's parameters
+        # in module order (a bucket-wise hook such as PowerSGD sees the same buffers)
+        self._build_buckets(list(reversed(range(n))), module_order_inside=True)
         self._rebuilt = False
+        # Synchronised steps before the buckets are re-cut in gradient order, as torch's reducer: after
+        # the first, the second with static_graph, never with find_unused_parameters alone (bucket-wise
+        # comm hooks such as PowerSGD see torch's buckets).
+        self._steps_to_rebuild = 2 if self.static_graph else 0 if self.find_unused_parameters else 1
         self._expect_hooks = False
         self._in_backward = False
         self._sync_buffers_next = True
@@ -533,8 +539,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 "the broadcast of rank 0's parameters and buffers",
             )
 
-    def _build_buckets(self, order: list[int]) -> None:
+    def _build_buckets(self, order: list[int], module_order_inside: bool = False) -> None:
         groups = bucket_assignment(order, self._params, self._caps)
+        if module_order_inside:
+            groups = [sorted(members) for members in groups]
         self._buckets = [_Bucket(k, members, self._params) for k, members in enumerate(groups)]
         slot: list[tuple[_Bucket, int] | None] = [None] * len(self._params)
         for b in self._buckets:
@@ -762,8 +770,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 )
         finally:
             self._reset_iteration()
-        if not self._rebuilt:
-            self._rebuild([])
+        self._count_towards_rebuild([])
 
     def _sync_final_model(self, last_joiner: bool) -> None:
         """After a join: every rank takes the parameters (and shared buffers) of the last rank to join."""
@@ -839,7 +846,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._copy_in(bucket, pos, param.grad, param, repoint=True)
         self._ready[i] = 1
         self._fired[i] = 1
-        if not self._rebuilt:
+        if not self._rebuilt and self._steps_to_rebuild:
             self._order.append(i)
         bucket.pending -= 1
         if self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
@@ -979,7 +986,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             bytes_sent=sum(s for _, _, s in stats_inputs) + self._used_map_bytes(),
             buckets=len(stats_inputs),
         )
-        if not self._rebuilt:
+        self._count_towards_rebuild(order)
+
+    def _count_towards_rebuild(self, order: list[int]) -> None:
+        """One synchronised step done (``order``: this rank's gradient order in it): re-cut the buckets
+        when it is the step torch's reducer re-cuts after."""
+        if self._rebuilt or self._steps_to_rebuild == 0:
+            return
+        self._steps_to_rebuild -= 1
+        if self._steps_to_rebuild == 0:
             self._rebuild(order)
 
     def _used_map_bytes(self) -> int:
@@ -1075,7 +1090,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                     param.grad.copy_(src)
 
     def _rebuild(self, order: list[int]) -> None:
-        """Re-cut the buckets in the order gradients became ready on rank 0 (once, after step one)."""
+        """Re-cut the buckets in the order gradients became ready on rank 0 (once: see
+        ``_count_towards_rebuild``)."""
         n = len(self._params)
         seen = set(order)
         order = order + [i for i in reversed(range(n)) if i not in seen]
