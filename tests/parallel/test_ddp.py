@@ -372,8 +372,6 @@ def test_one_rank_argument_errors(one_rank):
     make = tandem.parallel.DistributedDataParallel
     with pytest.raises(ValueError, match="device_ids"):
         make(torch.nn.Linear(2, 2), device_ids=[0])
-    with pytest.raises(ValueError, match="bucket_cap_mb"):
-        make(torch.nn.Linear(2, 2), bucket_cap_mb=-1)
     with pytest.raises(ValueError, match="timeout"):
         make(torch.nn.Linear(2, 2), timeout=0)
     with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
@@ -388,6 +386,57 @@ def test_one_rank_argument_errors(one_rank):
     ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())  # not a future
     with pytest.raises(TypeError, match="must return a torch.futures.Future"):
         ddp(torch.randn(3, 2)).sum().backward()
+
+
+def test_one_rank_takes_what_torchs_takes(one_rank):
+    """Arguments and attributes of torch's DDP that tandem refused or lacked: a negative bucket_cap_mb
+    (torch closes every bucket at its first parameter), output_device=0 on a CPU module (torch tests its
+    truth value), ``device``, ``require_forward_param_sync``, ``_set_static_graph()``."""
+    make, Torch = tandem.parallel.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel
+    for kwargs in ({"bucket_cap_mb": -1}, {"output_device": 0}):
+        ours, theirs = make(w.mlp(), **kwargs), Torch(w.mlp(), **kwargs)
+        if "bucket_cap_mb" in kwargs:
+            assert ours.bucket_bytes_cap == theirs.bucket_bytes_cap == -(2**20)
+            assert all(len(b.members) == 1 for b in ours._buckets)
+        assert ours.device == theirs.device == torch.device("cpu")
+        w.train(ours, 2, 1, 0)
+    ours, theirs = make(w.mlp()), Torch(w.mlp())
+    for wrapper in (ours, theirs):
+        assert wrapper.require_forward_param_sync
+        with wrapper.no_sync():
+            wrapper(torch.randn(2, 6, dtype=torch.float64))
+        off = wrapper.require_forward_param_sync
+        with torch.no_grad():
+            wrapper(torch.randn(2, 6, dtype=torch.float64))
+        assert (off, wrapper.require_forward_param_sync) == (False, False)
+        wrapper(torch.randn(2, 6, dtype=torch.float64))
+        assert wrapper.require_forward_param_sync
+    model, bare = w.Branchy(), w.Branchy()
+    ddp = make(model)
+    ddp._set_static_graph()
+    assert ddp.static_graph and ddp._steps_to_rebuild == 2
+    with pytest.warns(UserWarning, match="no need to set it again"):
+        ddp._set_static_graph()
+    x, y = w.batch(0, 1)
+    w.loss_fn(ddp(x, False), y).backward()  # a parameter unused: static_graph lets it go
+    w.loss_fn(bare(x, False), y).backward()
+    assert model.c.weight.grad is None and torch.equal(model.a.weight.grad, bare.a.weight.grad)
+
+
+def test_one_rank_bucket_views_keep_a_channels_last_parameters_strides(one_rank):
+    """gradient_as_bucket_view: a channels_last convolution's .grad is a bucket view with the
+    parameter's strides, as torch's reducer makes them (a hook makes one rank use its buckets)."""
+    grads = []
+    for make in (tandem.parallel.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 3, 3).to(memory_format=torch.channels_last)
+        ddp = make(conv, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook)
+        x = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(1))
+        ddp(x.to(memory_format=torch.channels_last)).square().sum().backward()
+        assert conv.weight.grad.stride() == conv.weight.stride() == (27, 1, 9, 3)
+        grads.append(conv.weight.grad.clone())
+    assert torch.equal(*grads)
 
 
 def test_bucket_assignment():

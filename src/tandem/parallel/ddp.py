@@ -108,6 +108,19 @@ class DDPStats:
         return max(0.0, 1.0 - self.wait_s / self.comm_s) if self.comm_s > 0 else 1.0
 
 
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once (contiguous in some order of its dims:
+    contiguous, channels_last, a transpose): torch's ``is_non_overlapping_and_dense``."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: (p[1], p[0])):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class _Bucket:
     """One flat gradient buffer and the per-iteration state of its all-reduce."""
 
@@ -117,6 +130,7 @@ class _Bucket:
         "numel",
         "nbytes",
         "_shapes",
+        "_strides",
         "_dtype",
         "_device",
         "_buffer",
@@ -136,6 +150,8 @@ class _Bucket:
         self.index = index
         self.members = members
         self._shapes = [params[i].shape for i in members]
+        # torch's bucket views take a dense parameter's strides (channels_last stays channels_last)
+        self._strides = [params[i].stride() if _dense(params[i]) else None for i in members]
         first = params[members[0]]
         self._dtype, self._device = first.dtype, first.device
         self.numel = sum(params[i].numel() for i in members)
@@ -148,9 +164,10 @@ class _Bucket:
     def _allocate(self) -> None:
         self._buffer = torch.empty(self.numel, dtype=self._dtype, device=self._device)  # [sum of numels]
         offset = 0
-        for shape in self._shapes:
+        for shape, stride in zip(self._shapes, self._strides):
             n = shape.numel()
-            self._views.append(self._buffer[offset : offset + n].view(shape))
+            flat = self._buffer[offset : offset + n]
+            self._views.append(flat.view(shape) if stride is None else flat.as_strided(shape, stride))
             offset += n
 
     @property
@@ -233,9 +250,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             it for ``forward_sync_buffers``, passing it warns as torch's does.
         init_sync: check and broadcast the parameters (and shared buffers) here (default True).
         process_group: the group to average over (default: the default group).
-        bucket_cap_mb: bucket size in MiB; 0 gives one parameter per bucket. Default: torch's 25 MiB
-            (with a 1 MiB first bucket), but at most 1/16 of the model (at least 1 MiB), so that the
-            last bucket, whose all-reduce nothing can hide, stays small for models under 400 MiB.
+        bucket_cap_mb: bucket size in MiB; 0 (or less, as torch) gives one parameter per bucket.
+            Default: torch's 25 MiB (with a 1 MiB first bucket), but at most 1/16 of the model (at
+            least 1 MiB), so that the last bucket, whose all-reduce nothing can hide, stays small for
+            models under 400 MiB.
         find_unused_parameters: allow parameters to get no gradient in a backward (they count as
             zero for this rank). Without it, such parameters are a ``RuntimeError`` at the end of
             backward.
@@ -328,8 +346,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 "DistributedDataParallel: the default process group has not been initialized; call "
                 "torch.distributed.init_process_group(...) first or pass process_group="
             )
-        if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
-            raise ValueError(f"DistributedDataParallel: expected bucket_cap_mb >= 0, got {bucket_cap_mb}")
         if bucket_cap_mb_list is not None and not all(c >= 0 for c in bucket_cap_mb_list):
             raise ValueError(
                 "DistributedDataParallel: expected bucket_cap_mb_list of sizes >= 0, got "
@@ -345,6 +361,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 "requires a gradient."
             )
         self.timeout = timeout_seconds(timeout, "DistributedDataParallel", process_group)
+        # torch's attribute: the device of the module's first parameter it keeps (one may not need grad)
+        self.device = next(p for n, p in module.named_parameters() if n not in self._ignored).device
         devices = {t.device for t in [*module.parameters(), *module.buffers()]}
         self._set_devices(devices, device_ids, output_device)
 
@@ -366,6 +384,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters or static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
         params = [p for _, p in named]
         if bucket_cap_mb_list:
             self._caps = [int(c * _MB) for c in bucket_cap_mb_list]
@@ -376,8 +395,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             cap = min(_DEFAULT_BUCKET_CAP_MB * _MB, max(_FIRST_BUCKET_BYTES, total // _MIN_BUCKETS))
             self._caps = [_FIRST_BUCKET_BYTES, cap]
         else:
-            self._caps = [int(bucket_cap_mb * _MB)]
-        self.bucket_bytes_cap = self._caps[-1]
+            # a cap below 0 closes every bucket at its first parameter, as torch's (which takes it): 0
+            self._caps = [max(0, int(bucket_cap_mb * _MB))]
+        self.bucket_bytes_cap = self._caps[-1] if bucket_cap_mb is None else int(bucket_cap_mb * _MB)
         # what a copy keeps: the settings made so far; everything _set_up makes is rebuilt
         self._settings = frozenset(self.__dict__) | {"_settings"}
         self._set_up(threaded=True)
@@ -465,7 +485,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def _set_devices(self, devices: set[torch.device], device_ids, output_device) -> None:
         device_type = next(iter(devices)).type if devices else "cpu"
         if device_ids is None or len(device_ids) == 0 or device_type == "cpu" or len(devices) > 1:
-            if device_ids or output_device is not None:
+            if device_ids or output_device:  # torch's test: output_device=0 passes on a CPU module
                 raise ValueError(
                     "DistributedDataParallel device_ids and output_device arguments only work with "
                     f"single-device GPU modules, but got device_ids {device_ids}, output_device "
@@ -489,6 +509,26 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.output_device = (
             wanted.index if output_device is None else torch.device(device_type, output_device).index
         )
+
+    def _set_static_graph(self) -> None:
+        """torch's (private, used) way to turn on ``static_graph`` after construction, before training: as
+        the constructor's argument, with its warnings."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        user_find_unused = self.find_unused_parameters
+        self.static_graph = self.find_unused_parameters = True
+        self._copy_when_done = False  # the used map comes first, as with find_unused_parameters
+        if not self._rebuilt:
+            self._steps_to_rebuild = 2
+        if user_find_unused:
+            warnings.warn(
+                "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
+                "will detect unused parameters automatically, so you do not need to set "
+                "find_unused_parameters=true, just be sure these unused parameters will not change during "
+                "training loop while calling `_set_static_graph`.",
+                stacklevel=2,
+            )
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(
@@ -572,6 +612,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             ) from self._failure
         joining = self._join_config.enable
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = sync  # torch's attribute: whether this forward's step syncs
         if joining:
             self._count_nonjoined(Join.notify_join_context(self))
         self._sync_buffers_before_forward(joined=False)
