@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from _ranks import join_group
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
@@ -331,6 +332,44 @@ def _check_hooks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+class TwiceCheckpointed(torch.nn.Module):
+    """One layer in two reentrant checkpoints: its gradient accumulates twice a backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(9)
+        self.a, self.b, self.c = (torch.nn.Linear(6, 6).double() for _ in range(3))
+        self.head = torch.nn.Linear(6, 3).double()
+
+    def _inner(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(t))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.utils.checkpoint.checkpoint(self._inner, h, use_reentrant=True)
+        h = torch.utils.checkpoint.checkpoint(self._inner, h, use_reentrant=True)
+        return self.head(self.c(h))
+
+
+def _check_static_graph_reentrant(rank: int, world: int) -> dict[str, Any]:
+    """static_graph=True with a layer in two reentrant checkpoints (what torch documents static_graph
+    for), three steps: tandem's and torch's DDP on the same ranks; tandem refused it at the first step."""
+    out = {}
+    for side, cls in (("torch", TorchDDP), ("tandem", TandemDDP)):
+        model = TwiceCheckpointed()
+        wrapper = cls(model, static_graph=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(
+                4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * step + rank)
+            )
+            opt.zero_grad()
+            loss_fn(wrapper(x), torch.zeros(4, 3, dtype=torch.float64)).backward()
+            opt.step()
+        out[side] = params(model)
+    return out
+
+
 def _hooked_layouts(wrap, rank: int, world: int, steps: int = 4, **kwargs) -> list[list[list[str]]]:
     """The buckets a comm hook sees at each step (parameter names, per bucket, in launch order)."""
     m = Ordered()
@@ -483,6 +522,7 @@ MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "rebuild": _check_rebuild,
     "mismatch": _check_mismatch,
     "drop_in": _check_drop_in,
+    "static_graph_reentrant": _check_static_graph_reentrant,
 }
 
 

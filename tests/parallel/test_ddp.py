@@ -228,6 +228,11 @@ def test_buckets_rebuilt_in_ready_order(main_results):
     assert_same_state(per_rank[0]["params"], reference(w.Ordered, 2), **TIGHT)
 
 
+def test_static_graph_takes_a_gradient_accumulated_twice_as_torchs(main_results):
+    for res in check(main_results, "static_graph_reentrant"):
+        assert_same_state(res["tandem"], res["torch"], **TIGHT)
+
+
 @pytest.mark.parametrize("mode", ["default", "find_unused", "static"])
 def test_a_bucket_hook_sees_torchs_buckets_at_every_step(main_results, mode):
     """The first layout (cut along the reverse parameter order, module order inside a bucket) and the

@@ -260,7 +260,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         check_reduction: deprecated in torch; warns as torch does.
         gradient_as_bucket_view: make ``.grad`` views of the bucket buffers: no copy back, less
             memory.
-        static_graph: the same gradients; parameters may go unused, as with find_unused_parameters.
+        static_graph: the same gradients; parameters may go unused, as with find_unused_parameters,
+            and a gradient may accumulate several times a backward (a layer in two reentrant
+            checkpoints): the first step counts how often and reduces at its end, as torch's.
         bucket_cap_mb_list: each bucket's size in MiB, in order (the last for the rest).
         batched_grad_copy: accepted (a copy strategy of torch's reducer; nothing to change here).
         forward_sync_buffers: torch 2.13's successor of broadcast_buffers: when given, it decides the
@@ -449,6 +451,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         # the first, the second with static_graph, never with find_unused_parameters alone (bucket-wise
         # comm hooks such as PowerSGD see torch's buckets).
         self._steps_to_rebuild = 2 if self.static_graph else 0 if self.find_unused_parameters else 1
+        self._fires_expected: list[int] | None = None  # static_graph: accumulations a backward, learnt
         self._expect_hooks = False
         self._in_backward = False
         self._sync_buffers_next = True
@@ -594,6 +597,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         n = len(self._params)
         self._ready = bytearray(n)
         self._fired = bytearray(n)
+        self._fire_counts = [0] * n
         self._order: list[int] = []
         self._next_bucket = 0
         self._unreachable_filled = False
@@ -872,6 +876,26 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self._unreachable_filled = True
             for j in self._unreachable:
                 self._fill_unused(j)
+        if self.static_graph:
+            # torch's static graph: a gradient may accumulate several times in one backward (a layer in
+            # two reentrant checkpoints); the first step counts how often, and reduces at its end, and
+            # later steps take each gradient at its last accumulation
+            self._fire_counts[i] += 1
+            expected = self._fires_expected
+            if expected is None or self._fire_counts[i] < expected[i]:
+                return
+            if self._fire_counts[i] > expected[i]:
+                self._expect_hooks = self._in_backward = False
+                self._reset_iteration()
+                raise RuntimeError(
+                    f"DistributedDataParallel: static_graph=True, but parameter {self._names[i]!r} got its "
+                    f"gradient more often in this backward than the {expected[i]} time(s) of the first: the "
+                    "graph changed between iterations (use find_unused_parameters=True instead)"
+                )
+        self._take_gradient(i, param)
+
+    def _take_gradient(self, i: int, param: Tensor) -> None:
+        """Parameter ``i``'s gradient is final for this backward: into its bucket, and launch what is full."""
         bucket, pos = self._slot[i]
         if self._ready[i]:
             if bucket.index < self._next_bucket or self._fired[i]:  # submitted for launch already
@@ -1000,6 +1024,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def _finish_backward(self) -> None:
         t_local_end = time.perf_counter()
+        if self.static_graph and self._fires_expected is None and any(self._fire_counts):
+            # static_graph's first step: now every gradient is final; how often each accumulated is learnt
+            self._fires_expected = list(self._fire_counts)
+            for i, fires in enumerate(self._fire_counts):
+                if fires:
+                    self._take_gradient(i, self._params[i])
         if not any(self._fired):
             # A backward that reached the outputs but no parameter (torch.autograd.grad for a gradient
             # penalty): nothing was launched, nothing to reduce; the real backward is still to come.
