@@ -428,6 +428,41 @@ def test_one_rank_takes_what_torchs_takes(one_rank):
     assert model.c.weight.grad is None and torch.equal(model.a.weight.grad, bare.a.weight.grad)
 
 
+def test_one_rank_hooks_checked_as_torch_and_tandems_hooks_register_with_torchs_ddp(one_rank):
+    """torch's signature checks, with its errors (a bucket parameter annotated as a GradBucket if at all,
+    a Future[Tensor] returned); tandem's hooks pass torch's and compute the same there."""
+
+    def badly_annotated(state, bucket: int):
+        pass
+
+    def other_name(state, b):
+        pass
+
+    def bad_return(state, bucket) -> int:
+        pass
+
+    Torch = torch.nn.parallel.DistributedDataParallel
+    for hook in (badly_annotated, other_name, bad_return):
+        outcomes = []
+        for cls in (Torch, tandem.parallel.DistributedDataParallel):
+            try:
+                cls(torch.nn.Linear(2, 2)).register_comm_hook(None, hook)
+                outcomes.append(None)
+            except Exception as e:
+                outcomes.append((type(e), str(e)))
+        assert outcomes[0] is not None and outcomes[0] == outcomes[1], hook.__name__
+    for hook in (tandem.parallel.hooks.allreduce_hook, tandem.parallel.hooks.fp16_compress_hook):
+        grads = []
+        for cls in (Torch, tandem.parallel.DistributedDataParallel):
+            model = w.mlp(torch.float32)
+            ddp = cls(model)
+            ddp.register_comm_hook(None, hook)
+            x, y = w.batch(0, 1)
+            w.loss_fn(ddp(x.float()), y).backward()
+            grads.append([p.grad for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_one_rank_bucket_views_keep_a_channels_last_parameters_strides(one_rank):
     """gradient_as_bucket_view: a channels_last convolution's .grad is a bucket view with the
     parameter's strides, as torch's reducer makes them (a hook makes one rank use its buckets)."""

@@ -669,6 +669,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: expected a callable hook, got {type(hook).__name__}")
+        # torch's checks of the signature, with its errors: a parameter named bucket (a KeyError without
+        # one), annotated (if at all) with a GradBucket, and a Future[Tensor] returned
+        signature = inspect.signature(hook)
+        if signature.parameters["bucket"].annotation not in (
+            inspect.Parameter.empty,
+            dist.GradBucket,
+            GradBucket,
+        ):
+            raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+        if signature.return_annotation not in (inspect.Signature.empty, Future[Tensor]):
+            raise ValueError(
+                "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]."
+            )
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         if self._in_backward:

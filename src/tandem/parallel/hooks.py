@@ -2,8 +2,10 @@
 
 A hook has torch's signature ``hook(state, bucket) -> torch.futures.Future[Tensor]``: ``state`` is what
 was registered with it (here the process group, or None for the default group) and ``bucket`` a
-:class:`tandem.parallel.GradBucket`. The future's value is the averaged flat gradient of the bucket.
-torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``) work as well.
+:class:`tandem.parallel.GradBucket` (annotated as torch's ``GradBucket``, whose methods it has, so that
+torch's DistributedDataParallel takes these hooks too). The future's value is the averaged flat
+gradient of the bucket. torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``) work as
+well.
 
 Example::
 
@@ -11,7 +13,8 @@ Example::
     ddp.register_comm_hook(None, tandem.parallel.hooks.fp16_compress_hook)  # half the bytes on the wire
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: torch's DDP checks a hook's annotations as objects (the
+# bucket's must be torch.distributed.GradBucket), so these hooks register with torch's wrapper too.
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,7 @@ def _first(fut: Future) -> Tensor:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
-def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Future[Tensor]:
+def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> Future[Tensor]:
     """Average the bucket over the ranks in its own dtype: what no hook at all does.
 
     The buffer is divided by the world size before the sum, as torch's ``allreduce_hook`` does, so
@@ -43,7 +46,9 @@ def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
     return work.get_future().then(_first)
 
 
-def _compress_hook(dtype: torch.dtype, process_group: dist.ProcessGroup | None, bucket: GradBucket):
+def _compress_hook(
+    dtype: torch.dtype, process_group: dist.ProcessGroup | None, bucket: GradBucket | dist.GradBucket
+):
     buffer = bucket.buffer()
     # Divide after the cast: the same rounding as torch's fp16/bf16 hooks, so results match bit for bit.
     compressed = buffer.to(dtype).div_(_group_size(process_group))
@@ -58,7 +63,7 @@ def _compress_hook(dtype: torch.dtype, process_group: dist.ProcessGroup | None, 
     return work.get_future().then(decompress)
 
 
-def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Future[Tensor]:
+def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> Future[Tensor]:
     """All-reduce the bucket in float16 (divided by the world size first), then cast back.
 
     Half the bytes of float32 on the wire; gradients keep about 3 significant digits, and values
@@ -67,7 +72,7 @@ def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBuck
     return _compress_hook(torch.float16, process_group, bucket)
 
 
-def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Future[Tensor]:
+def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> Future[Tensor]:
     """All-reduce the bucket in bfloat16 (divided by the world size first), then cast back.
 
     Half the bytes of float32 on the wire with float32's range; gradients keep about 2 significant
