@@ -383,6 +383,11 @@ def test_one_rank_argument_errors(one_rank):
         make(torch.nn.Linear(2, 2).requires_grad_(False))
     with pytest.raises(TypeError, match="torch.nn.Module"):
         make(lambda x: x)
+    # torch's RuntimeError (and, for a lazy module, its words) before anything is sent
+    with pytest.raises(RuntimeError, match="uninitialized parameters can't be used"):
+        make(torch.nn.LazyLinear(2))
+    with pytest.raises(RuntimeError, match="meta device"):
+        make(torch.nn.Linear(2, 2, device="meta"))
     ddp = make(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="callable"):
         ddp.register_comm_hook(None, "fp16")
