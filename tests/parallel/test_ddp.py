@@ -468,6 +468,22 @@ def test_one_rank_hooks_checked_as_torch_and_tandems_hooks_register_with_torchs_
         assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_one_rank_a_hook_whose_future_fails_is_named_as_a_cause(one_rank):
+    """A hook's future that completes with an error: the wrapper cannot tell it from a dead peer (it
+    stops trusting the group, as for one), but says that the hook may have raised."""
+
+    def failing(state, bucket):
+        def bad(fut):
+            raise ValueError("the hook's own bug")
+
+        return torch.distributed.all_reduce(bucket.buffer(), async_op=True).get_future().then(bad)
+
+    ddp = tandem.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    ddp.register_comm_hook(None, failing)
+    with pytest.raises(tandem.parallel.CommunicationError, match="the communication hook raised, or another"):
+        ddp(torch.randn(3, 2)).sum().backward()
+
+
 def test_one_rank_bucket_views_keep_a_channels_last_parameters_strides(one_rank):
     """gradient_as_bucket_view: a channels_last convolution's .grad is a bucket view with the
     parameter's strides, as torch's reducer makes them (a hook makes one rank use its buckets)."""

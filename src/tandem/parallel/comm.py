@@ -99,15 +99,19 @@ def wait_event(
         )
 
 
-def result(fut: Future, what: str, who: str = "DistributedDataParallel"):
-    """The value of the completed ``fut``; its error as a :class:`CommunicationError` naming ``what``."""
+def result(
+    fut: Future,
+    what: str,
+    who: str = "DistributedDataParallel",
+    cause: str = "another rank has probably died",
+):
+    """The value of the completed ``fut``; its error as a :class:`CommunicationError` naming ``what`` and
+    its likely ``cause``."""
     try:
         return fut.wait()  # done already; wait() also orders CUDA streams after the result
     except Exception as e:
         rank = dist.get_rank() if dist.is_initialized() else "?"
-        raise CommunicationError(
-            f"{who}: {what} failed on rank {rank}; another rank has probably died: {e}"
-        ) from e
+        raise CommunicationError(f"{who}: {what} failed on rank {rank}; {cause}: {e}") from e
 
 
 def _run(work: dist.Work, deadline: float, what: str, timeout: float, who: str):

@@ -1153,6 +1153,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         wait_event(task.event, deadline, what, self.timeout)
         if task.error is not None:
             raise task.error
+        if isinstance(task, _Bucket) and self._comm_hook is not None:
+            # the bucket's future is the hook's: its own code may have raised
+            return result(task.future, what, cause="the communication hook raised, or another rank died")
         return result(task.future, what)
 
     def _copy_out(self, bucket: _Bucket, result: Any, skip: list[bool] | None) -> None:
