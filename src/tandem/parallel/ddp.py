@@ -424,16 +424,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.world_size = dist.get_world_size(process_group)
         self._src = dist.get_process_group_ranks(process_group)[0] if self.world_size > 1 else 0
         self._comm_device = next(iter(module.parameters())).device
-        if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
-            raise RuntimeError(  # torch's words
-                "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. Run a "
-                "dummy forward pass to correctly initialize the modules"
-            )
-        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-            raise RuntimeError(  # torch's type (its message comes from deep inside)
-                "DistributedDataParallel: the module has parameters or buffers on the meta device, which "
-                "hold no values; materialize it first (module.to_empty(device=...), then load its state)"
-            )
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self._ignored]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
