@@ -268,22 +268,67 @@ def test_triton_kernel_opcheck():
     torch.library.opcheck(torch.ops.tandem.gru_bwd.default, (*bwd_args, True, True))
 
 
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, True),  # torch's defaults: its cuDNN RNNs use TF32
+        ({"rnn": "ieee"}, False),
+        ({"rnn": "ieee", "conv": "tf32"}, False),  # the legacy allow_tf32 would raise here
+        ({"rnn": "tf32", "conv": "ieee"}, True),
+        ({"allow_tf32": False}, False),  # the legacy switch
+    ],
+    ids=["defaults", "rnn-ieee", "rnn-ieee-conv-tf32", "rnn-tf32-conv-ieee", "legacy-off"],
+)
+def test_tf32_follows_the_setting_torchs_cudnn_rnns_follow(settings, expected):
+    from tandem.ops._triton_rnn import cudnn_rnn_tf32
+
+    cudnn = torch.backends.cudnn
+    if getattr(getattr(cudnn, "rnn", None), "fp32_precision", None) is None:
+        pytest.skip("this torch has no per-operator precision settings")
+    saved = (cudnn.rnn.fp32_precision, cudnn.conv.fp32_precision, cudnn.fp32_precision)
+    try:
+        if "allow_tf32" in settings:
+            cudnn.allow_tf32 = settings["allow_tf32"]
+        for op in ("rnn", "conv"):
+            if op in settings:
+                getattr(cudnn, op).fp32_precision = settings[op]
+        assert cudnn_rnn_tf32() is expected
+    finally:
+        cudnn.allow_tf32 = True
+        cudnn.rnn.fp32_precision, cudnn.conv.fp32_precision, cudnn.fp32_precision = saved
+
+
 @needs_triton
-def test_triton_kernel_runs_in_the_autocast_dtype():
-    """Under autocast the layers run in its dtype (as cuDNN's RNNs do), the gradients reach the float32
-    parameters in float32, and the result is within half-precision error of float64."""
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["x-fp32", "x-bf16"])
+def test_triton_kernel_runs_in_float16_under_autocast_as_cudnn(autocast_dtype, input_dtype):
+    """Under autocast the layers run in float16 whatever autocast's dtype, as cuDNN's RNNs do (torch's
+    autocast wrapper of _cudnn_rnn casts the input, states and weights to half): a float32 or bfloat16
+    input (a Linear's output under the same autocast) and state, float16 outputs, the gradients in the
+    float32 parameters, within half-precision error of float64."""
     case = Case(packed=True, hidden=20)
     ref, x, h0 = _make(case, torch.float32)
     ours = tandem.nn.GRU(INPUT, case.hidden, bidirectional=True).to(TRITON_DEVICE)
     ours.load_state_dict(ref.state_dict())
     expected = _run(ref, case, x, h0)
-    with torch.autocast(TRITON_DEVICE, dtype=torch.bfloat16):
-        out, h_n = ours(x.to(TRITON_DEVICE, torch.float32), h0.to(TRITON_DEVICE, torch.float32))
-        assert out.dtype == h_n.dtype == torch.bfloat16
-        got = _run(ours, case, x.to(TRITON_DEVICE, torch.float32), h0.to(TRITON_DEVICE, torch.float32))
+    x_in = x.to(TRITON_DEVICE, input_dtype).requires_grad_()
+    h0_in = h0.to(TRITON_DEVICE, input_dtype).requires_grad_()
+    packed = pack_padded_sequence(x_in, _lengths(case), enforce_sorted=False)  # before autocast, as a loader
+    with torch.autocast(TRITON_DEVICE, dtype=autocast_dtype):
+        out, h_n = ours(packed, h0_in)
+    assert out.data.dtype == h_n.dtype == torch.float16
+    gen = torch.Generator().manual_seed(1)
+    w_out = torch.randn(out.data.shape, generator=gen, dtype=torch.float64).to(out.data)
+    w_h = torch.randn(h_n.shape, generator=gen, dtype=torch.float64).to(h_n)
+    ((out.data * w_out).sum() + (h_n * w_h).sum()).backward()
+    got = {"output": out.data, "h_n": h_n, "grad input": x_in.grad, "grad h0": h0_in.grad}
+    got = {k: v.detach().cpu().double() for k, v in got.items()}
+    got |= {f"grad {n}": p.grad.cpu().double() for n, p in ours.named_parameters()}
     assert all(p.grad.dtype == torch.float32 for p in ours.parameters())
+    assert x_in.grad.dtype == h0_in.grad.dtype == input_dtype
+    tol = 0.1 if input_dtype == torch.float32 else 0.15  # bfloat16 input has lost bits already
     for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, atol=0.1, rtol=0.1, msg=name)
+        torch.testing.assert_close(got[name], value, atol=tol, rtol=tol, msg=name)
 
 
 # the GPU build, which the interpreter cannot show (compiled ahead of time for sm_90: no GPU needed)

@@ -438,19 +438,24 @@ def test_sm90_build_takes_tf32_when_asked(kernel):
 
 
 @needs_triton
-def test_triton_kernel_runs_in_the_autocast_dtype():
-    """Under autocast the layers run in its dtype (as cuDNN's RNNs do) and the gradients reach the float32
-    parameters in float32, close to the float32 module's."""
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["x-fp32", "x-bf16"])
+def test_triton_kernel_runs_in_float16_under_autocast_as_cudnn(autocast_dtype, input_dtype):
+    """Under autocast the layers run in float16 whatever autocast's dtype, as cuDNN's RNNs do (torch's
+    autocast wrapper of _cudnn_rnn casts the input, states and weights to half), from a float32 or
+    bfloat16 input and states; the gradients reach the float32 parameters in float32, close to the
+    float32 module's."""
     torch.manual_seed(0)
     ref = torch.nn.LSTM(3, 20, bidirectional=True)
     ours = tandem.nn.LSTM(3, 20, bidirectional=True).to(TRITON_DEVICE)
     ours.load_state_dict(ref.state_dict())
-    x = torch.randn(5, 4, 3)
+    x = torch.randn(5, 4, 3).to(input_dtype).float()
+    states = (torch.zeros(2, 4, 20, dtype=input_dtype), torch.zeros(2, 4, 20, dtype=input_dtype))
     out_ref, _ = ref(x)
     out_ref.sum().backward()
-    with torch.autocast(TRITON_DEVICE, dtype=torch.bfloat16):
-        out, (h_n, c_n) = ours(x.to(TRITON_DEVICE))
-        assert out.dtype == h_n.dtype == c_n.dtype == torch.bfloat16
+    with torch.autocast(TRITON_DEVICE, dtype=autocast_dtype):
+        out, (h_n, c_n) = ours(x.to(TRITON_DEVICE, input_dtype), tuple(s.to(TRITON_DEVICE) for s in states))
+        assert out.dtype == h_n.dtype == c_n.dtype == torch.float16
         out.float().sum().backward()
     torch.testing.assert_close(out.float().cpu(), out_ref.detach(), atol=3e-2, rtol=3e-2)
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):

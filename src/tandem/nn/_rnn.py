@@ -16,6 +16,10 @@ from tandem.ops._recompute import needs_autograd_ops, transformed
 __all__ = ["Rows", "RNNLayers", "needs_formulas"]
 
 
+# What torch's autocast wrapper of cuDNN's RNNs casts to float16 (its cached_cast: floating, not float64).
+_AUTOCAST_CAST = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _versions_unchanged(
     mode: str, originals: list[Tensor], names: list[str], versions: list[int], grad: Tensor
 ) -> None:
@@ -171,15 +175,21 @@ class RNNLayers(torch.nn.RNNBase):
     def _autocast_dtype(data: Tensor) -> torch.dtype | None:
         """The dtype the layers run in under autocast, or None for the input's own dtype.
 
-        Where tandem runs its Triton kernels (CUDA), autocast makes the layers run in its dtype, as it
-        does cuDNN's RNNs: float32 input, states and parameters are cast on the way in and the
-        gradients flow back in float32. Inputs other than float32 are never cast. (On the CPU under
-        CPU autocast the layers are torch's own: :meth:`_under_cpu_autocast`.)
+        Where tandem runs its Triton kernels (CUDA), autocast makes the layers run in float16, whatever
+        autocast's own dtype, as it does torch's cuDNN RNNs (torch's autocast wrapper of ``_cudnn_rnn``
+        casts to half): float32, bfloat16 and float16 inputs, their states and the weights are cast on the
+        way in, and the gradients flow back in the parameters' dtype. float64 is never cast. (On the CPU
+        under CPU autocast the layers are torch's own: :meth:`_under_cpu_autocast`.)
         """
         device = data.device.type
-        if data.dtype != torch.float32 or not use_triton(data) or not torch.is_autocast_enabled(device):
+        if data.dtype not in _AUTOCAST_CAST or not use_triton(data) or not torch.is_autocast_enabled(device):
             return None
-        return torch.get_autocast_dtype(device)
+        return torch.float16
+
+    @staticmethod
+    def _autocast_state(state: Tensor, dtype: torch.dtype | None) -> Tensor:
+        """A state as autocast leaves it (see :meth:`_autocast_dtype`): cast unless float64."""
+        return state if dtype is None or state.dtype not in _AUTOCAST_CAST else state.to(dtype)
 
     def _torch_forward(self, input: Tensor | PackedSequence, hx: Any) -> Any:
         """torch.nn.GRU's or LSTM's own forward on this module (its parameters and checks are torch's):

@@ -74,6 +74,9 @@ class GRU(RNNLayers):
         weights_now = self._current_weights()
         num_directions = 2 if self.bidirectional else 1
         rows = self._take_input(input)
+        dtype = self._autocast_dtype(rows.data)
+        if dtype is not None:
+            rows.data = rows.data.to(dtype)
         if hx is not None:
             if rows.packed:
                 # hx follows the caller's batch order; the packed rows are sorted by length
@@ -91,14 +94,12 @@ class GRU(RNNLayers):
         if hx is None:
             shape = (self.num_layers * num_directions, rows.mini_batch, self.hidden_size)
             hx = torch.zeros(shape, dtype=rows.data.dtype, device=rows.data.device)
+        hx = self._autocast_state(hx, dtype)
         # torch.nn.GRU's check_forward_args: its checks and messages
         self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
         self._check_state_size(rows, hx, self.hidden_size, "Expected hidden size {}, got {}")
         self._check_devices_and_dtypes(rows.data, {"hx": hx}, weights_now["weight_ih_l0"])
         self._to_rows(rows)
-        dtype = self._autocast_dtype(rows.data)
-        if dtype is not None:
-            rows.data, hx = rows.data.to(dtype), hx.to(dtype)
 
         h_n = []
         layer_input = rows.data

@@ -119,6 +119,9 @@ class LSTM(RNNLayers):
         num_directions = 2 if self.bidirectional else 1
         out_size = self.proj_size if self.proj_size > 0 else self.hidden_size
         rows = self._take_input(input)
+        dtype = self._autocast_dtype(rows.data)
+        if dtype is not None:
+            rows.data = rows.data.to(dtype)
         if hx is not None:
             if rows.packed:
                 # hx follows the caller's batch order; the packed rows are sorted by length
@@ -150,12 +153,9 @@ class LSTM(RNNLayers):
             )
         if len(hx) != 2:
             raise RuntimeError("lstm expects two hidden states")
-        hx = (hx[0], _promoted_cx(rows.data, hx[1]))
+        hx = (self._autocast_state(hx[0], dtype), _promoted_cx(rows.data, self._autocast_state(hx[1], dtype)))
         self._check_devices_and_dtypes(rows.data, {"hx": hx[0], "cx": hx[1]}, weights_now["weight_ih_l0"])
         self._to_rows(rows)
-        dtype = self._autocast_dtype(rows.data)
-        if dtype is not None:
-            rows.data, hx = rows.data.to(dtype), (hx[0].to(dtype), hx[1].to(dtype))
 
         h_n, c_n = [], []
         layer_input = rows.data

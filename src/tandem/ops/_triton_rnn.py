@@ -19,6 +19,7 @@ __all__ = [
     "dot",
     "upcast",
     "tf32",
+    "cudnn_rnn_tf32",
     "compute_dtype",
     "precision",
     "persistent_meta",
@@ -131,9 +132,29 @@ def upcast(x: Tensor) -> bool:
 
 
 def tf32(x: Tensor) -> bool:
-    """Float32 products in TF32 on GPUs exactly when ``torch.backends.cudnn.allow_tf32`` lets torch's
-    cuDNN RNNs use it (on by default); exact otherwise."""
-    return x.dtype == torch.float32 and x.is_cuda and torch.backends.cudnn.allow_tf32
+    """Float32 products in TF32 on GPUs exactly when torch's cuDNN RNNs use it (on by default; see
+    :func:`cudnn_rnn_tf32`); exact otherwise."""
+    return x.dtype == torch.float32 and x.is_cuda and cudnn_rnn_tf32()
+
+
+def cudnn_rnn_tf32() -> bool:
+    """Whether torch lets its cuDNN RNNs multiply float32 in TF32. Where torch has per-operator settings
+    (``torch.backends.cudnn.rnn.fp32_precision``), the RNN's own: "tf32" or "ieee", "none" deferring to
+    cuDNN's setting, then torch's generic one, and none of them set (what turning the legacy
+    ``allow_tf32`` off leaves) meaning exact. Reading the legacy flag there raises once the RNN's and
+    the convolutions' settings differ. Older torch: ``torch.backends.cudnn.allow_tf32``."""
+    cudnn = torch.backends.cudnn
+    rnn = getattr(getattr(cudnn, "rnn", None), "fp32_precision", None)
+    if rnn is None:
+        return bool(cudnn.allow_tf32)
+    for precision in (
+        rnn,
+        getattr(cudnn, "fp32_precision", "none"),
+        getattr(torch.backends, "fp32_precision", "none"),
+    ):
+        if precision != "none":
+            return precision == "tf32"
+    return False
 
 
 def compute_dtype(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype]:

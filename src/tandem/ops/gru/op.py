@@ -15,7 +15,7 @@ Triton's interpreter); otherwise in plain PyTorch (:mod:`tandem.ops.gru.referenc
 import torch
 from torch import Tensor
 
-from tandem._backend import triton_available, use_triton
+from tandem._backend import as_given, triton_available, use_triton
 from tandem.ops._recompute import grads_through, wants_graph
 from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref, gru_layer_autograd
 
@@ -34,7 +34,8 @@ def gru_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(y, h_n, gates, hn, states)`` of one GRU layer; see :func:`gru_fwd_ref` for the shapes."""
     kernel = _triton_fwd if use_triton(x) else gru_fwd_ref
-    return kernel(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
+    with as_given(x):
+        return kernel(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh)
 
 
 @gru_fwd.register_fake
@@ -70,7 +71,8 @@ def gru_bwd(
     """``(dx, dh0, dw_ih, dw_hh, db_ih, db_hh)``; empty bias gradients without bias, empty dx unless
     ``need_dx``."""
     kernel = _triton_bwd if use_triton(x) else gru_bwd_ref
-    return kernel(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx)
+    with as_given(x):
+        return kernel(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx)
 
 
 @gru_bwd.register_fake

@@ -24,8 +24,9 @@ the loop. The carried gradient lives in two fp32 ``[D, B, H]`` buffers used in t
 every column of its rows while others write theirs, so one buffer would race); both start as ``dh_n``,
 which is right for the sequences that join at a step: those rows were never written.
 
-Float32 tiles are multiplied in TF32 on GPUs when ``torch.backends.cudnn.allow_tf32`` is set, as
-torch.nn.GRU's cuDNN kernels are, and exactly otherwise.
+Float32 tiles are multiplied in TF32 on GPUs when torch lets its cuDNN RNNs use TF32
+(:func:`tandem.ops._triton_rnn.cudnn_rnn_tf32`), as torch.nn.GRU's cuDNN kernels are, and exactly
+otherwise.
 
 Persistent kernels, for the small hidden sizes where a direction's three recurrent weight tiles stay in
 registers (``_PERSISTENT_WARPS``): one launch runs the whole time loop, grid ``(D, cdiv(B, BLOCK_B))``.

@@ -16,7 +16,7 @@ interpreter). Triton is imported only when a launcher runs: it is an optional ex
 import torch
 from torch import Tensor
 
-from tandem._backend import triton_available, use_triton
+from tandem._backend import as_given, triton_available, use_triton
 from tandem.ops._recompute import grads_through, wants_graph
 from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref, lstm_layer_autograd
 
@@ -41,7 +41,8 @@ def lstm_fwd(
     kernel = lstm_fwd_ref
     if use_triton(x):
         from tandem.ops.lstm.triton import lstm_fwd_triton as kernel
-    return kernel(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved)
+    with as_given(x):
+        return kernel(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved)
 
 
 @lstm_fwd.register_fake
@@ -90,25 +91,26 @@ def lstm_bwd(
     kernel = lstm_bwd_ref
     if use_triton(x):
         from tandem.ops.lstm.triton import lstm_bwd_triton as kernel
-    return kernel(
-        dy,
-        dh_n,
-        dc_n,
-        x,
-        batch_sizes,
-        h0,
-        c0,
-        w_ih,
-        w_hh,
-        w_hr,
-        y,
-        gates,
-        cells,
-        hr,
-        states,
-        has_bias,
-        need_dx,
-    )
+    with as_given(x):
+        return kernel(
+            dy,
+            dh_n,
+            dc_n,
+            x,
+            batch_sizes,
+            h0,
+            c0,
+            w_ih,
+            w_hh,
+            w_hr,
+            y,
+            gates,
+            cells,
+            hr,
+            states,
+            has_bias,
+            need_dx,
+        )
 
 
 @lstm_bwd.register_fake

@@ -11,15 +11,15 @@ step-packed and direction-major, so the Triton forward's buffers compare with th
 Forward, one launch per step s, grid ``(D, cdiv(sizes[s], BLOCK_B), cdiv(H, BLOCK_H))``: program ``(d,
 b-block, j-block)`` accumulates ``h_prev @ W_hh[d]^T`` for its columns of the four gates over a loop on ``R``
 (``tl.dot``, float32 accumulation; float32 products in TF32 only where torch.nn.LSTM's cuDNN kernels would
-take it, ``torch.backends.cudnn.allow_tf32``), adds the input projection read from the gates buffer, applies
-the gate nonlinearities and the cell update, and writes the activations (in place over the projection), C and
-``o * tanh(c)``. ``h_prev`` and ``C_prev`` are read at row offsets into ``h0`` / ``2 c0`` (step 0) or the
-step-packed ``states`` / ``cells`` buffers (later steps): the host only passes offsets, it never slices in the
-loop. Only the first ``sizes[s]`` sequences exist at step s, and the step-packed layout already makes the
-reverse direction's step s of sequence b its frame ``len_b - 1 - s``, so padding costs nothing. With a
-projection (proj_size), ``h = (o * tanh(c)) @ W_hr^T`` is one ``torch.bmm`` per step on the step's rows, both
-directions at once: fusing it would need all H columns of a row in one program, while the kernel splits them
-over j-blocks.
+take it: :func:`tandem.ops._triton_rnn.cudnn_rnn_tf32`), adds the input projection read from the gates buffer,
+applies the gate nonlinearities and the cell update, and writes the activations (in place over the
+projection), C and ``o * tanh(c)``. ``h_prev`` and ``C_prev`` are read at row offsets into ``h0`` / ``2 c0``
+(step 0) or the step-packed ``states`` / ``cells`` buffers (later steps): the host only passes offsets, it
+never slices in the loop. Only the first ``sizes[s]`` sequences exist at step s, and the step-packed layout
+already makes the reverse direction's step s of sequence b its frame ``len_b - 1 - s``, so padding costs
+nothing. With a projection (proj_size), ``h = (o * tanh(c)) @ W_hr^T`` is one ``torch.bmm`` per step on the
+step's rows, both directions at once: fusing it would need all H columns of a row in one program, while the
+kernel splits them over j-blocks.
 
 Backward, one launch per step in reverse, grid ``(D, cdiv(sizes[s], BLOCK_B), cdiv(R, BLOCK_R))``:
 program ``(d, b-block, r-block)`` walks the H columns in blocks, recomputes the gate gradients of its rows
