@@ -68,6 +68,21 @@ def test_without_matplotlib_the_closing_line_names_only_what_was_written(tmp_pat
     assert not (out / "training_curve.png").exists()
 
 
+def test_an_earlier_runs_files_are_set_aside_not_overwritten(tmp_path):
+    """A classifier trained into a folder that holds an earlier run (a speech recognizer's, here) moves
+    that run's files into previous/, as tandem train's speech task does, instead of overwriting them."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"an earlier run's")
+    (out / "metrics.json").write_text('{"task": "asr"}')
+    done = _tandem("--nproc", "1", "--epochs", "1", "--out", str(out), *SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"moved to {out / 'previous'}" in done.stdout
+    assert (out / "previous" / "checkpoint.pt").read_bytes() == b"an earlier run's"
+    assert (out / "previous" / "metrics.json").read_text() == '{"task": "asr"}'
+    assert json.loads((out / "metrics.json").read_text()) != {"task": "asr"}
+
+
 def test_single_process_matches_no_torchrun(tmp_path):
     done = _tandem("--nproc", "1", "--epochs", "1", "--out", str(tmp_path / "one"), *SMALL)
     assert done.returncode == 0, done.stderr[-3000:]

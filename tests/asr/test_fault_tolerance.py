@@ -267,6 +267,34 @@ def test_checkpoints_rotate(tmp_path):
         CheckpointStore(tmp_path, keep=0)
 
 
+def test_runs_set_aside_are_never_deleted(tmp_path):
+    """Each fresh run into a folder moves the one before it into a folder of its own: previous/, then
+    previous-2/...; a file of the user's in previous/ stays too."""
+    store = CheckpointStore(tmp_path, keep=2)
+    state = {"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": {}, "step": 0}
+    for run in (1, 2, 3):
+        store.save({**state, "step": run}, run)
+        (tmp_path / "metrics.json").write_text(str(run))
+        aside = store.set_aside()
+        assert aside == tmp_path / ("previous" if run == 1 else f"previous-{run}")
+        assert not list(tmp_path.glob("checkpoint*.pt")) and not (tmp_path / "metrics.json").exists()
+        if run == 1:
+            (aside / "notes.txt").write_text("mine")
+    for name, run in (("previous", 1), ("previous-2", 2), ("previous-3", 3)):
+        assert load_checkpoint(tmp_path / name / "checkpoint.pt")["step"] == run
+        assert (tmp_path / name / "metrics.json").read_text() == str(run)
+    assert (tmp_path / "previous" / "notes.txt").read_text() == "mine"
+
+
+def test_resume_where_only_runs_set_aside_are_says_where_they_are(tmp_path):
+    from tandem.cli.train import _check_out
+
+    (tmp_path / "previous-2").mkdir()
+    (tmp_path / "previous-2" / "checkpoint.pt").write_bytes(b"")
+    message = _check_out(tmp_path, resume=True)
+    assert message is not None and "found none (earlier runs were set aside in previous-2/ there" in message
+
+
 def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path):
     store = CheckpointStore(tmp_path, keep=2)
     state = {"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": {}, "step": 5}

@@ -205,20 +205,20 @@ class CheckpointStore:
     RUN_FILES = ("metrics.json", "training_curve.png", "events.out.tfevents.*")
 
     def set_aside(self) -> Path | None:
-        """Move an earlier run's checkpoints, and the files it wrote beside them (:attr:`RUN_FILES`), into
-        ``previous/`` in the folder (replacing what an even earlier run left there), so that a fresh run
-        starts with none of them and still loses nothing until the next fresh run; the folder they went
-        to, or None if there were no checkpoints."""
+        """Move an earlier run's checkpoints, and the files it wrote beside them (:attr:`RUN_FILES`), into a
+        new folder in the folder: ``previous/``, or ``previous-2/``, ``previous-3/``... when earlier runs
+        went there already (nothing is ever deleted), so that a fresh run starts with none of them; the
+        folder they went to, or None if there were no checkpoints."""
         found = [p for p in [*self.numbered(), self.path] if p.exists()]
         if not found:
             return None
         found += [p for pattern in self.RUN_FILES for p in self.folder.glob(pattern) if p.is_file()]
         aside = self.folder / "previous"
-        if aside.exists():
-            for old in aside.iterdir():
-                if old.is_file():
-                    old.unlink()
-        aside.mkdir(exist_ok=True)
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.folder / f"previous-{n}"
+        aside.mkdir()
         for p in found:
             os.replace(p, aside / p.name)
         return aside

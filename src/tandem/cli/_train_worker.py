@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import tandem
-from tandem.asr.checkpoint import atomic_write
+from tandem.asr.checkpoint import CheckpointStore, atomic_write
 from tandem.asr.distributed import Group, pick_device, pin_to_cores, rank_threads
 from tandem.asr.interrupt import collective_exit
 from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
@@ -124,6 +125,16 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
     optimizer = tandem.optim.Adagrad(wrapped.parameters(), lr=args.lr)
 
     checkpoint_path, history, start_epoch, seconds_before = args.out / "checkpoint.pt", [], 0, 0.0
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if lead and not args.resume and not restarted:
+        # an earlier run's files (this task's, or a speech recognizer's) go aside, as tandem train's do
+        aside = CheckpointStore(args.out).set_aside()
+        if aside is not None:
+            print(
+                f"tandem train: {args.out} held an earlier run's checkpoints and outputs; moved to {aside} "
+                "(to continue a run, use --resume)",
+                flush=True,
+            )
     if args.resume:
         try:
             checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)

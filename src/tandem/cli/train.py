@@ -198,7 +198,14 @@ def _check_out(out: Path, resume: bool) -> str | None:
     except OSError as e:
         return f"--out {out}: cannot write there ({e.strerror or e})"
     if resume and not any(out.glob("checkpoint*.pt")):
-        return f"--resume: expected a checkpoint at {out / 'checkpoint.pt'}, found none"
+        aside = sorted({p.parent.name for p in out.glob("previous*/checkpoint*.pt")})
+        hint = (
+            f" (earlier runs were set aside in {', '.join(a + '/' for a in aside)} there: move one's files "
+            "back to continue it)"
+            if aside
+            else ""
+        )
+        return f"--resume: expected a checkpoint at {out / 'checkpoint.pt'}, found none{hint}"
     return None
 
 
