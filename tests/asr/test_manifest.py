@@ -139,6 +139,21 @@ def test_the_command_refuses_a_bad_manifest_and_writes_nothing(manifests, tmp_pa
     assert not out.exists()
 
 
+@pytest.mark.parametrize("which", ["--train-manifest", "--test-manifest"])
+def test_a_manifest_with_fewer_recordings_than_processes_is_refused(manifests, tmp_path, which):
+    """Every process takes a share of each batch and of the test set: with fewer recordings than
+    processes one would wait for the others' collectives (the test set) or divide by zero (training)."""
+    one = tmp_path / "one.jsonl"
+    first = json.loads(manifests[0 if which == "--train-manifest" else 1].read_text().splitlines()[0])
+    one.write_text(json.dumps(first) + "\n")
+    paths = {"--train-manifest": str(manifests[0]), "--test-manifest": str(manifests[1]), which: str(one)}
+    out = tmp_path / "out"
+    done = tandem(*[x for kv in paths.items() for x in kv], "--nproc", "2", "--out", str(out), timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{which} {one}: 1 recording(s) for 2 processes; expected at least one per process" in done.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

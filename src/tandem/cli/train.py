@@ -314,9 +314,21 @@ def _check_manifests(args: argparse.Namespace) -> str | None:
     from tandem.asr.training import manifest_entries
 
     try:
-        manifest_entries(asr_config(args))
+        train, test = manifest_entries(asr_config(args))
     except ManifestError as e:
         return str(e)
+    # every process takes a share of each global batch and of the test set (a process with none would
+    # wait for the others' collectives)
+    world = args.nproc * args.nnodes
+    for what, path, entries in (
+        ("--train-manifest", args.train_manifest, train),
+        ("--test-manifest", args.test_manifest, test),
+    ):
+        if len(entries) < world:
+            return (
+                f"{what} {path}: {len(entries)} recording(s) for {world} processes; expected at least one "
+                f"per process (--nproc x --nnodes)"
+            )
     return None
 
 
