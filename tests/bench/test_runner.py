@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,6 +198,19 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "speedup.png"
     runner.plot_speedups(_rows() + _rows(op="other_op", speedup=0.5), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs Linux's /proc")
+def test_csv_and_plot_that_cannot_be_written_are_refused_before_timing():
+    """Places that take no file (here /proc, which refuses even root) are refused when checked, before
+    anything is timed: a new file, an existing one that cannot be appended to, a chart."""
+    for check, path, what in (
+        (runner.check_csv, "/proc/tandem-bench.csv", "--csv"),
+        (runner.check_plot, "/proc/tandem-bench.png", "--plot"),
+    ):
+        with pytest.raises(runner.BenchError, match=f"{what}: cannot write '{path}'"):
+            check(path)
+    assert not Path("/proc/tandem-bench.csv").exists()
 
 
 def test_plot_checks_its_path(tmp_path):

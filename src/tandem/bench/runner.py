@@ -26,6 +26,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -454,6 +455,22 @@ def check_csv(path: str | os.PathLike[str]) -> None:
                 f"--csv: {str(p)!r} has the header {','.join(first)!r}, expected {','.join(CSV_COLUMNS)!r} "
                 "(rows are only appended to a file with the same columns)"
             )
+    _check_writable(p, "--csv")
+
+
+def _check_writable(p: Path, what: str) -> None:
+    """Raise :class:`BenchError` now if ``p`` could not be written later (a read-only file system, a
+    folder that takes no files): opened for appending where it exists, a scratch file beside it where it
+    does not (removed at once); nothing changes."""
+    try:
+        if p.exists():
+            with p.open("ab"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=p.parent, prefix=".tandem-bench-write-test-"):
+                pass
+    except OSError as e:
+        raise BenchError(f"{what}: cannot write {str(p)!r} ({e.strerror or e})") from None
 
 
 def write_csv(rows: Sequence[BenchRow], path: str | os.PathLike[str]) -> None:
@@ -476,6 +493,7 @@ def check_plot(path: str | os.PathLike[str]) -> None:
         raise BenchError(f"--plot: expected a .png file name, got {str(p)!r}")
     if not p.parent.is_dir():
         raise BenchError(f"--plot: directory {str(p.parent)!r} does not exist")
+    _check_writable(p, "--plot")
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
