@@ -120,7 +120,14 @@ def test_out_that_is_a_file_is_a_clear_error(tmp_path):
     assert target.read_text() == "x"
 
 
-@pytest.mark.parametrize("args, message", [(("--nproc", "0"), "--nproc"), (("--epochs", "-1"), "--epochs")])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--nproc", "0"), "--nproc"),
+        (("--epochs", "-1"), "--epochs"),
+        (("--master-port", "70000"), "--master-port: expected a port from 1 to 65535, got 70000"),
+    ],
+)
 def test_bad_numbers_are_argparse_errors(args, message):
     done = _tandem(*args, timeout=60)
     assert done.returncode == 2 and message in done.stderr

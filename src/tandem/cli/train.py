@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from tandem.cli._args import positive_float, positive_int
+from tandem.cli._args import port, positive_float, positive_int
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "DEFAULTS"]
 
@@ -150,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--nnodes", type=positive_int, default=1, help="torchrun: machines (default: 1)")
     launch.add_argument("--node-rank", type=int, default=0, help="torchrun: this machine's rank")
     launch.add_argument("--master-addr", default="127.0.0.1", help="torchrun: rank 0's address")
-    launch.add_argument("--master-port", type=positive_int, default=29500, help="torchrun: rank 0's port")
+    launch.add_argument("--master-port", type=port, default=29500, help="torchrun: rank 0's port")
     launch.add_argument(
         "--timeout", type=positive_float, default=60.0, help="collective timeout, s (default: 60)"
     )
