@@ -92,6 +92,14 @@ def test_json_lines(setup, capsys):
     durations = [sf.info(f).duration for f in files]
     assert [r["audio_seconds"] for r in records] == pytest.approx(durations, abs=1e-4)
     assert all(r["compute_seconds"] > 0 for r in records)
+    # a file that cannot be transcribed has its line too, in its place, with the error (and on stderr)
+    missing = str(root / "missing.wav")
+    code, out, err = _run(
+        capsys, "--model", str(root / "checkpoint.pt"), "--json", files[0], missing, files[1]
+    )
+    records = [json.loads(line) for line in out]
+    assert code == 1 and [r["path"] for r in records] == [files[0], missing, files[1]]
+    assert records[1]["text"] is None and "no such file" in records[1]["error"] and len(err) == 1
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """``tandem transcribe``: recordings in, one line of text per recording out, with a trained recognizer.
 
 Prints ``path<TAB>text`` per file in the order of the arguments (``--json``: one JSON object per line
-with ``path``, ``text``, ``audio_seconds`` and ``compute_seconds``). A file that cannot be transcribed
+with ``path``, ``text``, ``audio_seconds`` and ``compute_seconds``, or ``path``, ``text`` null and
+``error`` for a file that cannot be transcribed). A file that cannot be transcribed
 (missing, not audio, empty, silent) gets one line on stderr naming it, the others are still transcribed,
 and the exit status is 1. A ``--model`` that is not a recognizer checkpoint stops everything with exit
 status 2. ``-`` reads a recording (WAV bytes) from standard input.
@@ -61,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="JSON lines: path, text, audio_seconds, compute_seconds (reading, features, model, decoding)",
+        help="JSON lines: path, text, audio_seconds, compute_seconds (reading, features, model, decoding); "
+        "path, text null and error for a file that cannot be transcribed",
     )
 
 
@@ -93,6 +95,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if result.error is not None:
                 failed += 1
                 print(f"{PROG}: error: {result.error}", file=sys.stderr, flush=True)
+                if args.json:  # its line too, so that a reader of the JSON lines sees every file
+                    record = {"path": arg, "text": None, "error": result.error}
+                    print(json.dumps(record, ensure_ascii=False), flush=True)
             elif args.json:
                 record = {
                     "path": arg,
