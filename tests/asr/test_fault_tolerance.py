@@ -109,6 +109,37 @@ def test_a_signal_to_one_worker_stops_the_run_with_status_130(tmp_path):
     assert not (out / "metrics.json").exists()
 
 
+def test_one_sigterm_delivered_twice_to_the_launcher_is_one_request(monkeypatch):
+    """`timeout`, systemd and Slurm send SIGTERM to the process group and forward it to the launcher as
+    well: the launcher gets it twice at once, one request passed on once (it once ended everything,
+    without the stop's checkpoint); a SIGTERM later, or Ctrl-C twice, ends the run at once."""
+    from tandem.cli import train as cli_train
+
+    class Proc:
+        pid, kills = 4242, 0
+
+        def kill(self):
+            self.kills += 1
+
+    sent = []
+    monkeypatch.setattr(cli_train, "_children", lambda pid: [pid + 1])
+    monkeypatch.setattr(cli_train.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    clock = [100.0]
+    monkeypatch.setattr(cli_train.time, "monotonic", lambda: clock[0])
+    handler = cli_train._LaunchSignals(Proc())
+    handler(signal.SIGTERM, None)
+    clock[0] += 0.2
+    handler(signal.SIGTERM, None)  # the forwarded copy
+    assert sent == [(4243, signal.SIGTERM)] and handler.proc.kills == 0
+    clock[0] += 5.0
+    handler(signal.SIGTERM, None)
+    assert handler.proc.kills == 1 and handler.received == [signal.SIGTERM, signal.SIGTERM]
+    person = cli_train._LaunchSignals(Proc())
+    person(signal.SIGINT, None)
+    person(signal.SIGINT, None)
+    assert person.proc.kills == 1
+
+
 def test_a_second_sigint_ends_the_run_at_once_and_keeps_the_checkpoints(tmp_path):
     out = tmp_path / "run"
     proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -519,11 +520,50 @@ def _torchrun_command(args: argparse.Namespace) -> list[str]:
     ]
 
 
+class _LaunchSignals:
+    """The launcher's SIGINT/SIGTERM handler: the first signal goes on to torchrun's children (the workers
+    stop after their step, with a checkpoint), a second ends torchrun at once; the same SIGTERM again
+    within ``StopRequests.SAME_REQUEST_S`` is the first one delivered twice (systemd, Slurm and `timeout`
+    send it to the process group and forward it too), as the workers take it. Ctrl-C twice is a person's
+    second request."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        from tandem.asr.interrupt import StopRequests
+
+        self.proc = proc
+        self.received: list[int] = []
+        self._first = 0.0
+        self._same_within = StopRequests.SAME_REQUEST_S
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if (
+            self.received
+            and signum == self.received[0] == signal.SIGTERM
+            and time.monotonic() - self._first < self._same_within
+        ):
+            return
+        self.received.append(signum)
+        if len(self.received) > 1:
+            self.proc.kill()
+            return
+        self._first = time.monotonic()
+        print(
+            f"tandem train: {signal.Signals(signum).name}: stopping after the current step (again to stop "
+            "at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for pid in _children(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
 def _launch(args: argparse.Namespace) -> int:
     """Run torchrun until it ends. A first SIGINT or SIGTERM goes on to this node's workers, which stop
     after their current step (the ranks on other nodes with them: they agree after every step), write a
     checkpoint and end normally, so torchrun neither restarts them nor reports a failure; a second signal
-    ends everything at once (torchrun and, as they die with it, the workers)."""
+    ends everything at once (torchrun and, as they die with it, the workers), except the same SIGTERM
+    again within :attr:`StopRequests.SAME_REQUEST_S` (one signal to the process group, delivered twice)."""
     from tandem.asr.interrupt import EXIT_FILE_ENV, die_with_parent
 
     # the ranks' verdict that no restart can change (see tandem.asr.training.train): its exit status
@@ -538,23 +578,8 @@ def _launch(args: argparse.Namespace) -> int:
     proc = subprocess.Popen(
         _torchrun_command(args), env=env, start_new_session=True, preexec_fn=die_with_parent
     )
-    received: list[int] = []
-
-    def on_signal(signum: int, frame: object) -> None:
-        received.append(signum)
-        if len(received) == 1:
-            print(
-                f"tandem train: {signal.Signals(signum).name}: stopping after the current step "
-                "(again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-            for pid in _children(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-        else:
-            proc.kill()
-
+    on_signal = _LaunchSignals(proc)
+    received = on_signal.received
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = proc.wait()
