@@ -141,3 +141,14 @@ def test_augmented_training_gains_span_the_wider_range_and_the_test_set_stays(re
     low, high = AUGMENTED_GAIN_DB
     assert low <= min(gains) < low + 2 and high - 2 < max(gains) <= high
     assert min(20 * math.log10(u.gain) for u in plain.train.plan(0)) >= -10.0
+
+
+def test_training_utterances_may_start_and_end_on_a_word_the_test_set_keeps_its_edges(rec):
+    """People's recordings are often cut close to the speech: some training utterances are too (edges
+    from 0 ms); the test utterances keep the generator's 20-200 ms, so that runs still compare."""
+    sets = digit_sets(rec)
+    rate = rec.sample_rate / 1000
+    train_edges = [e for u in sets.train.plan(0) for e in (u.gaps[0], u.gaps[-1])]
+    test_edges = [e for u in sets.test.plan(TEST_SEED) for e in (u.gaps[0], u.gaps[-1])]
+    assert min(train_edges) < 10 * rate and max(train_edges) <= 200 * rate
+    assert min(test_edges) >= 20 * rate

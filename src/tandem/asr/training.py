@@ -188,14 +188,23 @@ class DataSets:
 AUGMENTED_GAIN_DB = (-30.0, 6.0)
 
 
+# The training utterances' silences before the first word and after the last, against the generator's
+# 20-200 ms: people's own recordings are often cut close to the speech (the bundled ones are), which a
+# model that never met an utterance starting on its first word transcribed badly. Measured with the
+# defaults, seed 0, `tandem transcribe` of the 3,000 bundled recordings as they are: 10.3% WER against
+# 14.7% (and 0.67 / 1.00 / 1.33% test WER for seeds 0-2 against 1.00 / 1.17 / 1.17%).
+TRAIN_EDGE_MS = (0.0, 200.0)
+
+
 def digit_sets(recordings: Recordings, test_speaker: str | None = None, augment: bool = False) -> DataSets:
-    """The bundled digits: the customary split, or one speaker held out (see ``split_recordings``). With
-    ``augment`` the training utterances' gains span :data:`AUGMENTED_GAIN_DB`; the test set is the same."""
+    """The bundled digits: the customary split, or one speaker held out (see ``split_recordings``). The
+    training utterances' edges span :data:`TRAIN_EDGE_MS`; with ``augment`` their gains span
+    :data:`AUGMENTED_GAIN_DB`; the test set is the generator's, the same either way."""
     train_ids, test_ids = split_recordings(recordings, test_speaker)
     train = (
-        ConnectedDigits(recordings, train_ids, gain_db=AUGMENTED_GAIN_DB)
+        ConnectedDigits(recordings, train_ids, gain_db=AUGMENTED_GAIN_DB, edge_ms=TRAIN_EDGE_MS)
         if augment
-        else ConnectedDigits(recordings, train_ids)
+        else ConnectedDigits(recordings, train_ids, edge_ms=TRAIN_EDGE_MS)
     )
     return DataSets(train, ConnectedDigits(recordings, test_ids), TEST_PASSES)
 
