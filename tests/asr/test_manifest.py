@@ -77,8 +77,14 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
     not_audio.write_text("these are words, not sound")
     short = tmp_path / "short.wav"
     soundfile.write(str(short), (torch.randn(1600) * 0.1).numpy(), 16000)  # 0.1 s
+    truncated = tmp_path / "cut.wav"  # a copy cut short: libsndfile would read its first half quietly
+    truncated.write_bytes(good_wav.read_bytes()[: len(good_wav.read_bytes()) // 2])
     ok = {"audio_filepath": str(good_wav), "text": "two"}
     return {
+        "truncated": (
+            [ok, {"audio_filepath": str(truncated), "text": "two"}],
+            f":2: audio file {truncated}: a truncated WAV file (its header announces",
+        ),
         "invalid-json": ([ok, '{"audio_filepath": "a.wav", "text": '], ":2: invalid JSON"),
         "missing-key": ([ok, {"audio_filepath": str(good_wav)}], ":2: missing key(s) 'text'"),
         "empty-text": ([ok, {"audio_filepath": str(good_wav), "text": "  "}], ":2: empty text"),

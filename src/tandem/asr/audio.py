@@ -29,6 +29,7 @@ __all__ = [
     "read_audio",
     "source_name",
     "to_model_input",
+    "wav_truncation",
 ]
 
 # A recording whose every sample is at most one step of 16-bit PCM (-90 dBFS) holds no sound: all
@@ -95,6 +96,8 @@ def read_audio(source: AudioSource, *, name: str | None = None) -> tuple[Tensor,
             # opened here, so that any name the system takes works (libsndfile wants UTF-8 paths); a
             # named pipe (<(cmd), /dev/stdin) is read to its end, as it cannot seek
             with open(path, "rb") as f:
+                if path.is_file():
+                    _check_wav_complete(f, label)
                 samples, rate = _decode(f if path.is_file() else _whole(f, label), label)
         else:
             samples, rate = _decode(_whole(source, label), label)
@@ -111,6 +114,45 @@ def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
     if not data:
         raise AudioError(f"{label}: empty input (0 bytes)")
     return io.BytesIO(data)
+
+
+# Sizes a WAV writer puts in the data chunk's header when it cannot know the length (a stream)
+_WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)
+
+
+def wav_truncation(f: BinaryIO) -> tuple[int, int] | None:
+    """For a WAV file cut short (a copy or download that stopped): the bytes of samples its header
+    announces and the bytes the file holds after that header; None for a complete WAV, a WAV written as a
+    stream (size 0 or 0xFFFFFFFF) or anything else. libsndfile reads such a file without a word, as the
+    shorter recording it holds. ``f`` is read from its start and left there."""
+    f.seek(0, io.SEEK_END)
+    end = f.tell()
+    f.seek(0)
+    try:
+        head = f.read(12)
+        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            return None
+        while True:
+            chunk = f.read(8)
+            if len(chunk) < 8:
+                return None
+            size = int.from_bytes(chunk[4:], "little")
+            if chunk[:4] == b"data":
+                held = end - f.tell()
+                return (size, held) if size not in _WAV_UNKNOWN_SIZES and size > held else None
+            f.seek(size + (size & 1), io.SEEK_CUR)  # chunks are padded to an even size
+    finally:
+        f.seek(0)
+
+
+def _check_wav_complete(f: BinaryIO, label: str) -> None:
+    cut = wav_truncation(f)
+    if cut is not None:
+        announced, held = cut
+        raise AudioError(
+            f"{label}: a truncated WAV file: its header announces {announced} bytes of samples, the file "
+            f"holds {held} ({100 * held / announced:.0f}%); it was probably cut short while copied or written"
+        )
 
 
 def _decode(f: BinaryIO, label: str) -> tuple[np.ndarray, int]:

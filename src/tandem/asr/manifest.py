@@ -22,7 +22,7 @@ import numpy as np
 from torch import Tensor
 from tqdm import tqdm
 
-from tandem.asr.audio import AudioError, read_audio, to_model_input
+from tandem.asr.audio import AudioError, read_audio, to_model_input, wav_truncation
 from tandem.asr.features import FeatureConfig
 from tandem.asr.model import ModelConfig
 from tandem.asr.text import Alphabet
@@ -142,6 +142,14 @@ def check_entry(
     audio = audio if audio.is_absolute() else manifest.parent / audio
     if not audio.is_file():
         return f"audio file {audio}: no such file"
+    with open(audio, "rb") as f:
+        cut = wav_truncation(f)
+    if cut is not None:
+        announced, held = cut
+        return (
+            f"audio file {audio}: a truncated WAV file (its header announces {announced} bytes of samples, "
+            f"it holds {held})"
+        )
     try:
         samples = _samples_at(audio, features.sample_rate)
     except Exception as e:  # soundfile's errors are RuntimeErrors (LibsndfileError) and others
