@@ -135,3 +135,19 @@ def test_bench_cuda_without_cuda(fake_op, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--op", fake_op, "--device", "cuda"])
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_train_interrupted_while_its_arguments_are_checked_says_so_and_writes_nothing(
+    monkeypatch, tmp_path, capsys
+):
+    """Ctrl-C while a long manifest is checked (before launch): one line and status 130, no traceback."""
+    from tandem.cli import train as cli_train
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_train, "_check_task_options", interrupted)
+    out = tmp_path / "run"
+    assert main(["train", "--nproc", "1", "--out", str(out)]) == 130
+    assert "interrupted while checking the arguments; nothing was written" in capsys.readouterr().err
+    assert not out.exists()

@@ -468,7 +468,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return _fail(parser, held) if held else _work(args)
 
     # Everything a run could trip on is checked before anything is written or launched.
-    problem = _check_nproc(args) or _check_task_options(args)
+    try:
+        problem = _check_nproc(args) or _check_task_options(args)
+    except KeyboardInterrupt:  # Ctrl-C while a long manifest is checked: nothing written yet
+        print("tandem train: interrupted while checking the arguments; nothing was written", file=sys.stderr)
+        return 130
     if problem:
         return _fail(parser, problem)
     if not 0 <= args.node_rank < args.nnodes:
