@@ -289,23 +289,25 @@ class Adagrad(Optimizer):
                         "Adagrad: differentiable=True takes lr as a number or a tensor that does not "
                         "require grad, got a tensor that requires grad"
                     )
-                # what torch's update refuses, with its error, before any group moves
-                hyperparameters(lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"])
-                work.append((group, params, grads, sums, steps))
+                # read as torch's update reads them; what it refuses, with its error, before any group moves
+                hyper = hyperparameters(
+                    lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"]
+                )
+                work.append((group, hyper, params, grads, sums, steps))
 
         maxima: list[Tensor] = []
         with torch.set_grad_enabled(self.defaults["differentiable"]):
-            for group, params, grads, sums, steps in work:
+            for group, (lr, lr_decay, weight_decay, eps, maximize), params, grads, sums, steps in work:
                 largest = adagrad_unchecked(
                     params,
                     grads,
                     sums,
                     steps,
-                    lr=group["lr"],
-                    lr_decay=group["lr_decay"],
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=group["maximize"],
+                    lr=lr,
+                    lr_decay=lr_decay,
+                    weight_decay=weight_decay,
+                    eps=eps,
+                    maximize=maximize,
                     differentiable=group["differentiable"],
                     grad_scale=grad_scale,
                     found_inf=found_inf,

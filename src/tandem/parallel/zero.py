@@ -328,22 +328,22 @@ class ZeroAdagrad(Optimizer):
                 ss.append(state["sum"])
                 ts.append(state["step"])  # counted on every rank, so any rank can report it
             if ps:
-                # torch's error for a setting its update refuses, before any group moves
-                hyperparameters(
+                # read as torch's update reads them; what it refuses, with its error, before any group moves
+                hyper = hyperparameters(
                     group["lr"], group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"]
                 )
-                work.append((group, ps, gs, ss, ts))
-        for group, ps, gs, ss, ts in work:
+                work.append((hyper, ps, gs, ss, ts))
+        for (lr, lr_decay, weight_decay, eps, maximize), ps, gs, ss, ts in work:
             adagrad_unchecked(
                 ps,
                 gs,
                 ss,
                 ts,
-                lr=group["lr"],
-                lr_decay=group["lr_decay"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
+                lr=lr,
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=maximize,
                 differentiable=False,
                 grad_scale=None,
                 found_inf=None,

@@ -88,6 +88,7 @@ def adagrad(
         )
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
         _check(i, p, g, s, t)
+    lr, lr_decay, weight_decay, eps, maximize = hyperparameters(lr, lr_decay, weight_decay, eps, maximize)
     return adagrad_unchecked(
         params,
         grads,
@@ -111,7 +112,7 @@ def adagrad_unchecked(
     state_sums: list[Tensor],
     state_steps: list[Tensor],
     *,
-    lr: float | Tensor,
+    lr: float,
     lr_decay: float,
     weight_decay: float,
     eps: float,
@@ -121,12 +122,13 @@ def adagrad_unchecked(
     found_inf: Tensor | None,
     return_max_change: bool,
 ) -> Tensor | None:
-    """:func:`adagrad` without the per-tensor argument checks, for callers whose state is known good.
+    """:func:`adagrad` without the per-tensor argument checks, for callers whose state is known good, and
+    with the hyper-parameters as :func:`hyperparameters` gives them (floats and a bool: the callers read
+    them once, before any group moves).
 
     ``tandem.optim.Adagrad`` creates (or validates on load) every state tensor, and torch checks every
     ``.grad`` against its parameter; the checks cost ~0.35 us per tensor per step otherwise.
     """
-    lr, lr_decay, weight_decay, eps, maximize = hyperparameters(lr, lr_decay, weight_decay, eps, maximize)
     if weight_decay != 0 and any(g.is_sparse for g in grads):
         raise RuntimeError("weight_decay option is not compatible with sparse gradients")
 
