@@ -152,15 +152,11 @@ def _autograd_batch_norm(
     """Batch norm over the real frames with autograd-tracked ops (one process): what forward-mode AD and
     torch.func's transforms differentiate, where the kernels' hand-written backward does not reach. The
     numbers of BatchNorm over the real frames alone, as the kernels'."""
-    dims = [0, *range(2, x.dim())]
     shape = [1, -1] + [1] * (x.dim() - 2)
-    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.unsqueeze(1).expand_as(x)
+    keep = _real(x, mask)
     if training:
-        count = keep.sum(dims, keepdim=True)
-        mean = torch.where(keep, x, 0).sum(dims, keepdim=True) / count
-        centred = torch.where(keep, x - mean, 0)
-        var = centred.square().sum(dims, keepdim=True) / count
-        frames = int(count.flatten()[0]) if count.numel() else 0
+        x_hat, mean, var = _normalized(x, keep, eps)
+        frames = int(keep[:, 0].sum())
         if frames == 1:
             raise ValueError("Expected more than 1 value per channel when training, got 1 frame")
         if running_mean is not None and running_var is not None and frames > 0:
@@ -169,12 +165,36 @@ def _autograd_batch_norm(
                 batch_var = forward_ad.unpack_dual(var).primal.flatten() * frames / (frames - 1)
                 running_mean.mul_(1 - momentum).add_(batch_mean.to(running_mean.dtype), alpha=momentum)
                 running_var.mul_(1 - momentum).add_(batch_var.to(running_var.dtype), alpha=momentum)
-        x_hat = centred * torch.rsqrt(var + eps)
     else:
-        x_hat = (x - running_mean.view(shape)) * torch.rsqrt(running_var.view(shape) + eps)
+        x_hat, _, _ = _normalized(
+            x, keep, eps, running_mean.view(shape), torch.rsqrt(running_var.view(shape) + eps)
+        )
     y = x_hat if weight is None else x_hat * weight.view(shape)
     y = y if bias is None else y + bias.view(shape)
     return torch.where(keep, y, 0).to(x.dtype)
+
+
+def _real(x: Tensor, mask: Tensor | None) -> Tensor:
+    """Which elements of ``x`` ``[N, C, *S]`` are on real frames: ``mask`` ``[N, *S]`` over the channels."""
+    return torch.ones_like(x, dtype=torch.bool) if mask is None else mask.unsqueeze(1).expand_as(x)
+
+
+def _normalized(
+    x: Tensor, keep: Tensor, eps: float, mean: Tensor | None = None, invstd: Tensor | None = None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``x`` normalised over its real frames (``keep``, see :func:`_real`) with autograd-tracked ops, 0 on
+    the others: by ``mean`` and ``invstd`` (``[1, C, 1...]``) where given, else by the real frames' own
+    mean and biased variance, which come back too (``[1, C, 1...]``; None otherwise). BatchNorm's numbers
+    over the real frames alone, for every AD mode (see :func:`_autograd_batch_norm`, and
+    :func:`_differentiable_grads` for a second derivative)."""
+    if mean is not None:
+        return torch.where(keep, (x - mean) * invstd, 0), None, None
+    dims = [0, *range(2, x.dim())]
+    count = keep.sum(dims, keepdim=True)
+    batch_mean = torch.where(keep, x, 0).sum(dims, keepdim=True) / count
+    centred = torch.where(keep, x - batch_mean, 0)
+    var = centred.square().sum(dims, keepdim=True) / count
+    return centred * torch.rsqrt(var + eps), batch_mean, var
 
 
 def _torch_layout(y: Tensor) -> Tensor:
@@ -327,17 +347,17 @@ def _differentiable_grads(
     differentiated, as :mod:`tandem.ops._recompute` does for the recurrent layers."""
     need_dx, need_w, need_b = ctx.needs_input_grad[:3]
     dims = [0, *range(2, x.dim())]
-    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.unsqueeze(1).expand_as(x)
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    keep = _real(x, mask)
     with torch.enable_grad():
         xs = x if need_dx else x.detach()
         if ctx.batch_stats:
-            count = keep.sum(dims, keepdim=True)
-            centred = torch.where(keep, xs - torch.where(keep, xs, 0).sum(dims, keepdim=True) / count, 0)
-            x_hat = centred * torch.rsqrt(centred.square().sum(dims, keepdim=True) / count + ctx.eps)
+            x_hat, _, _ = _normalized(xs, keep, ctx.eps)
         else:  # the running statistics: constants
-            shape = [1, -1] + [1] * (x.dim() - 2)
-            x_hat = torch.where(keep, (xs - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape), 0)
-        y = x_hat if weight is None else x_hat * weight.view([1, -1] + [1] * (x.dim() - 2))
+            x_hat, _, _ = _normalized(
+                xs, keep, ctx.eps, mean.to(x.dtype).view(shape), invstd.to(x.dtype).view(shape)
+            )
+        y = x_hat if weight is None else x_hat * weight.view(shape)
         dx, dw = grads_through([y], [dy], [xs, weight], [need_dx, need_w])
         db = torch.where(keep, dy, 0).sum(dims).to(ctx.bias_dtype) if need_b else None
     return dx, dw, db
