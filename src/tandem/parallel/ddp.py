@@ -457,10 +457,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         # in module order (a bucket-wise hook such as PowerSGD sees the same buffers)
         self._build_buckets(list(reversed(range(n))), module_order_inside=True)
         self._rebuilt = False
-        # Synchronised steps before the buckets are re-cut in gradient order, as torch's reducer: after
-        # the first, the second with static_graph, never with find_unused_parameters alone (bucket-wise
-        # comm hooks such as PowerSGD see torch's buckets).
-        self._steps_to_rebuild = 2 if self.static_graph else 0 if self.find_unused_parameters else 1
+        self._steps_to_rebuild = self._steps_before_rebuild()
         self._fires_expected: list[int] | None = None  # static_graph: accumulations a backward, learnt
         self._expect_hooks = False
         self._in_backward = False
@@ -533,7 +530,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.static_graph = self.find_unused_parameters = True
         self._copy_when_done = False  # the used map comes first, as with find_unused_parameters
         if not self._rebuilt:
-            self._steps_to_rebuild = 2
+            self._steps_to_rebuild = self._steps_before_rebuild()
         if user_find_unused:
             warnings.warn(
                 "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` "
@@ -1081,6 +1078,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             buckets=len(stats_inputs),
         )
         self._count_towards_rebuild(order)
+
+    def _steps_before_rebuild(self) -> int:
+        """Synchronised steps before the buckets are re-cut in gradient order, as torch's reducer: the
+        first, the second with static_graph, never (0) with find_unused_parameters alone (bucket-wise comm
+        hooks such as PowerSGD see torch's buckets)."""
+        return 2 if self.static_graph else 0 if self.find_unused_parameters else 1
 
     def _count_towards_rebuild(self, order: list[int]) -> None:
         """One synchronised step done (``order``: this rank's gradient order in it): re-cut the buckets
