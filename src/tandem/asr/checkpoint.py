@@ -223,6 +223,17 @@ class CheckpointStore:
             os.replace(p, aside / p.name)
         return aside
 
+    def set_aside_and_say(self) -> None:
+        """:meth:`set_aside`, and a line on stdout saying where the earlier run went (a fresh run's start,
+        for both tasks of ``tandem train``)."""
+        aside = self.set_aside()
+        if aside is not None:
+            print(
+                f"tandem train: {self.folder} held an earlier run's checkpoints and outputs; moved to "
+                f"{aside} (to continue a run, use --resume)",
+                flush=True,
+            )
+
     def latest(
         self, map_location: str | torch.device = "cpu"
     ) -> tuple[dict[str, Any] | None, Path | None, list[str]]:

@@ -612,13 +612,7 @@ def _starting_state(
                     )
                 decision = (None, mismatch) if mismatch else (state, None)
         else:
-            aside = store.set_aside()
-            if aside is not None:
-                print(
-                    f"tandem train: {store.folder} held an earlier run's checkpoints and outputs; moved to "
-                    f"{aside} (to continue a run, use --resume)",
-                    flush=True,
-                )
+            store.set_aside_and_say()
     return group.broadcast(decision)  # type: ignore[return-value]
 
 

@@ -128,13 +128,7 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if lead and not args.resume and not restarted:
         # an earlier run's files (this task's, or a speech recognizer's) go aside, as tandem train's do
-        aside = CheckpointStore(args.out).set_aside()
-        if aside is not None:
-            print(
-                f"tandem train: {args.out} held an earlier run's checkpoints and outputs; moved to {aside} "
-                "(to continue a run, use --resume)",
-                flush=True,
-            )
+        CheckpointStore(args.out).set_aside_and_say()
     if args.resume:
         try:
             checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)
