@@ -1,7 +1,9 @@
 """The Recognizer's contract: its transcripts are greedy CTC decoding of the checkpoint's model run on
 LogMel features of the same audio (computed here directly, one utterance at a time), whatever the
-batching, the input rate or the channel count; ``to_torch`` is the same network from torch.nn modules;
-a checkpoint that is not a recognizer is refused, naming the file."""
+batching, the input rate or the channel count (with fit_edges=False; the default's cuts and padding
+of the edges, tested with a stand-in model, run the same decoding on the audio they make); ``to_torch``
+is the same network from torch.nn modules; a checkpoint that is not a recognizer is refused, naming the
+file."""
 
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ def test_transcripts_are_the_models_greedy_decoding_of_logmel(checkpoint):
     expected = _direct(checkpoint, audio)
     # not a vacuous comparison: transcripts that differ, each one where every frame counts
     assert len(set(expected)) >= 6 and all(expected) and len(set("".join(expected))) >= 3, expected
-    rec = Recognizer.from_checkpoint(checkpoint)
+    rec = Recognizer.from_checkpoint(checkpoint, fit_edges=False)
     assert rec.sample_rate == 8000 and not rec.model.training
     assert [rec.transcribe(a, 8000) for a in audio] == expected
     assert [rec.transcribe(a.numpy().astype(np.float64), 8000) for a in audio[:2]] == expected[:2]
@@ -111,7 +113,7 @@ def test_other_rates_are_resampled_to_the_models(checkpoint, rate):
     audio = list(_utterances())
     g = np.gcd(rate, 8000)
     high = [torch.from_numpy(scipy_signal.resample_poly(a.numpy(), rate // g, 8000 // g)) for a in audio]
-    rec = Recognizer.from_checkpoint(checkpoint)
+    rec = Recognizer.from_checkpoint(checkpoint, fit_edges=False)
     got = rec.transcribe_batch(high, rate)
     assert got == _direct(checkpoint, [tandem.asr.resample(h.float(), rate, 8000) for h in high])
     assert rec.transcribe(high[0].numpy(), rate) == got[0]
@@ -159,7 +161,7 @@ def test_transcribe_batch_errors_name_the_waveform(checkpoint):
 
 @pytest.mark.parametrize("cell", ["gru", "lstm"])
 def test_to_torch_is_the_same_network_from_torch_modules(cell):
-    rec = Recognizer(_model(cell), FeatureConfig(), ENGLISH)
+    rec = Recognizer(_model(cell), FeatureConfig(), ENGLISH, fit_edges=False)
     net = rec.to_torch()
     rnn = {"gru": torch.nn.GRU, "lstm": torch.nn.LSTM}[cell]
     assert all(type(m) is rnn for m in net.rnns) and all(
@@ -310,3 +312,99 @@ def test_cuda_without_cuda_is_a_clear_error(checkpoint):
     with pytest.raises(ValueError, match="device 'cuda' was asked for, but CUDA is not available"):
         Recognizer.from_checkpoint(checkpoint, device="cuda")
     assert Recognizer.from_checkpoint(checkpoint, device="auto").device == torch.device("cpu")
+
+
+class _SaysLoud(torch.nn.Module):
+    """A stand-in for the acoustic model: 'a' at output frames whose input frames are loud (mean feature
+    above 0: the features are normalised per utterance, the quiet below its mean, a burst above), the blank
+    elsewhere. Records the input frames of every utterance it is given."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config, self.calls = config, []
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # a device to be on
+
+    def forward(self, features: torch.Tensor, frames: torch.Tensor):
+        self.calls += frames.tolist()
+        stride = int(np.prod(self.config.conv_time_strides))
+        out = self.config.output_frames(frames)
+        loud = features.mean(-1) > 0.0  # [B, T]
+        loud = torch.nn.functional.pad(loud, (0, int(out.max()) * stride - loud.shape[1]))
+        loud = loud.view(len(frames), -1, stride).any(-1).T  # [T', B]
+        scores = torch.zeros(*loud.shape, len(ENGLISH))
+        scores[..., 0] = 1.0
+        scores[..., ENGLISH.encode("a")[0]] = 2.0 * loud
+        return scores, out
+
+
+def _burst(before_s: float, after_s: float, seed: int = 0) -> torch.Tensor:
+    """Low noise, 0.4 s of loud noise after ``before_s`` seconds, ``after_s`` seconds of low noise."""
+    g = torch.Generator().manual_seed(seed)
+    quiet = lambda s: 1e-3 * torch.randn(round(s * 8000), generator=g)  # noqa: E731
+    return torch.cat([quiet(before_s), 0.3 * torch.randn(3200, generator=g), quiet(after_s)])
+
+
+def test_long_silence_at_the_edges_is_cut_and_the_rest_transcribed_again(checkpoint):
+    """The cut is EDGE_KEPT_MS around the first and last non-blank output frames (an output frame is
+    hop * 4 = 320 samples; the last one's input ends a window after its last hop starts), redone while it
+    removes at least MIN_CUT_MS; fit_edges=False is one pass over the recording as it is."""
+    from tandem.asr import recognizer
+
+    assert recognizer.EDGE_KEPT_MS == (250.0, 500.0) and recognizer.MIN_CUT_MS == 100.0
+    rec = Recognizer.from_checkpoint(checkpoint)
+    assert rec.fit_edges and not Recognizer.from_checkpoint(checkpoint, fit_edges=False).fit_edges
+    for bad in ("no", None, 0):
+        with pytest.raises(TypeError, match=r"^Recognizer: expected fit_edges True or False, got "):
+            Recognizer.from_checkpoint(checkpoint, fit_edges=bad)
+        with pytest.raises(TypeError, match="expected fit_edges True or False"):
+            Recognizer(rec.model, rec.features, rec.alphabet, fit_edges=bad)
+    stub = _SaysLoud(rec.model.config)
+    rec.model = stub
+    audio = _burst(1.5, 2.0)
+    assert rec.transcribe(audio, 8000) == "a"
+    first = stub.calls[0]
+    assert first == int(FeatureConfig().frames(len(audio)))
+    # where the stub spoke in the first pass, by hand: the burst's output frames
+    features, frames = LogMel()(audio[None], torch.tensor([len(audio)]))
+    loud = (features[0].mean(-1) > 0.0).nonzero().flatten()
+    span = (int(loud[0]) // 4, int(loud[-1]) // 4)
+    start, end = span[0] * 320 - 2000, (span[1] + 1) * 320 + 200 - 80 + 4000
+    assert 0 < start < 12000 and 15200 < end < len(audio)  # around the burst (samples 12000-15200)
+    assert stub.calls[1] == int(FeatureConfig().frames(end - start))
+    assert 2 <= len(stub.calls) <= 1 + recognizer.MAX_CUTS
+    # what the cuts left: the same as transcribing the cut recording without cutting
+    stub.calls.clear()
+    rec.fit_edges = False
+    assert rec.transcribe(audio, 8000) == "a" and stub.calls == [first]
+    # short edges: nothing to cut or pad, one pass
+    rec.fit_edges = True
+    stub.calls.clear()
+    short = _burst(0.15, 0.05)
+    assert rec.transcribe(short, 8000) == "a" and len(stub.calls) == 1
+    # only the recordings that are cut run again, batched or not
+    stub.calls.clear()
+    assert rec.transcribe_batch([short, audio, short], 8000) == ["a"] * 3
+    assert sorted(stub.calls[:3]) == sorted(
+        [int(FeatureConfig().frames(len(a))) for a in (short, audio, short)]
+    )
+    assert stub.calls[3] == int(FeatureConfig().frames(end - start))
+
+
+def test_a_recording_that_starts_on_its_first_word_is_padded_and_transcribed_again(checkpoint):
+    """A first non-blank output frame within SPEECH_AT_START_MS of the start: PAD_MS of noise at
+    PAD_LEVEL_DB below the recording's peak before and after it, one more pass; not with fit_edges=False."""
+    from tandem.asr import recognizer
+
+    assert (recognizer.SPEECH_AT_START_MS, recognizer.PAD_MS, recognizer.PAD_LEVEL_DB) == (60.0, 150.0, -50.0)
+    rec = Recognizer.from_checkpoint(checkpoint)
+    stub = rec.model = _SaysLoud(rec.model.config)
+    bare = _burst(0.0, 0.05)
+    assert rec.transcribe(bare, 8000) == "a"
+    assert stub.calls == [int(FeatureConfig().frames(n)) for n in (len(bare), len(bare) + 2 * 1200)]
+    padded = recognizer._padded(bare, 1200)
+    assert torch.equal(padded[1200:-1200], bare) and torch.equal(recognizer._padded(bare, 1200), padded)
+    level = padded[:1200].square().mean().sqrt() / bare.abs().max()
+    assert 0.8 < float(level) * 10 ** (50 / 20) < 1.2, level
+    stub.calls.clear()
+    rec.fit_edges = False
+    assert rec.transcribe(bare, 8000) == "a" and stub.calls == [int(FeatureConfig().frames(len(bare)))]

@@ -82,6 +82,27 @@ def test_one_line_per_file_in_argument_order(setup, capsys):
         assert out == [f"{files[i]}\t{texts[i]}" for i in order]
 
 
+def test_one_pass_transcribes_in_one_pass(setup, capsys, monkeypatch):
+    """The default cuts long silence at the edges and transcribes again (Recognizer's fit_edges, tested
+    in test_recognizer); --one-pass is one pass over each recording as it is."""
+    root, files, texts = setup
+    asked = []
+    loader = Recognizer.from_checkpoint.__func__
+
+    def spy(cls, path, device="cpu", **kwargs):
+        asked.append(kwargs.get("fit_edges", True))
+        return loader(cls, path, device, **kwargs)
+
+    monkeypatch.setattr(Recognizer, "from_checkpoint", classmethod(spy))
+    one_pass = Recognizer.from_checkpoint(root / "checkpoint.pt", fit_edges=False).transcribe_files(files)
+    asked.clear()
+    for flags, expected in (([], texts), (["--one-pass"], [r.text for r in one_pass])):
+        code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), *flags, *files)
+        assert (code, err) == (0, [])
+        assert out == [f"{f}\t{t}" for f, t in zip(files, expected)]
+    assert asked == [True, False]
+
+
 def test_json_lines(setup, capsys):
     root, files, texts = setup
     code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "--json", *files)

@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the model runs (default: auto, CUDA when there is one)",
     )
     parser.add_argument(
+        "--one-pass",
+        action="store_true",
+        help="transcribe each recording as it is, in one pass (default: a recording with long silence "
+        "before its first word or after its last is cut to its words and transcribed again)",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="JSON lines: path, text, audio_seconds, compute_seconds (reading, features, model, decoding); "
@@ -82,7 +88,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from tandem.asr.recognizer import Recognizer
 
     try:
-        recognizer = Recognizer.from_checkpoint(args.model, device=args.device)
+        recognizer = Recognizer.from_checkpoint(args.model, device=args.device, fit_edges=not args.one_pass)
     except CheckpointError as e:
         return _fail(f"--model: {e}")
     except ValueError as e:  # CUDA asked for and absent
