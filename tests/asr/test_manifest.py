@@ -171,3 +171,34 @@ def test_a_manifest_with_fewer_recordings_than_processes_is_refused(manifests, t
 def test_manifest_options_are_checked(tmp_path, args, message):
     done = tandem(*args, "--out", str(tmp_path / "out"), timeout=60)
     assert done.returncode == 2 and message in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_resume_refuses_a_manifest_that_changed(manifests, tmp_path):
+    """--resume continues the run that began: with a training manifest that lost a line since, it is
+    refused before anything is trained or written; put back, the run continues."""
+    train, test = manifests
+    mine = tmp_path / "train.jsonl"
+    # absolute paths: the copy lives in another folder
+    lines = [json.loads(line) for line in train.read_text().splitlines()]
+    for line in lines:
+        line["audio_filepath"] = str((train.parent / line["audio_filepath"]).resolve())
+    mine.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "run"
+    args = (
+        "--train-manifest", str(mine), "--test-manifest", str(test), "--nproc", "1", "--threads", "1",
+        "--hidden", "16", "--layers", "1", "--batch-size", "8", "--workers", "0", "--out", str(out),
+    )  # fmt: skip
+    assert tandem(*args, "--epochs", "1").returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    mine.write_text("".join(json.dumps(line) + "\n" for line in lines[:-1]))
+    done = tandem(*args, "--epochs", "2", "--resume")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert (
+        "--resume: the recordings of --train-manifest differ from the ones the checkpoint's run"
+        in done.stderr
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    mine.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = tandem(*args, "--epochs", "2", "--resume")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "metrics.json").read_text())["history"][-1]["epoch"] == 2

@@ -12,6 +12,7 @@ audio too short for its transcript under CTC (fewer output frames than the label
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -183,6 +184,12 @@ class ManifestSet:
     def __init__(self, entries: Sequence[Entry], sample_rate: int) -> None:
         self.entries, self.sample_rate = list(entries), sample_rate
         self.ids = list(range(len(self.entries)))
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the recordings in order (path, transcript, length): what the plans are drawn from,
+        so a resumed run can tell that its manifest changed."""
+        listed = [[str(e.path), e.text, e.samples] for e in self.entries]
+        return hashlib.sha256(json.dumps(listed).encode()).hexdigest()
 
     def plan(self, seed: int | Sequence[int], passes: int = 1) -> list[ManifestUtterance]:
         """Every recording ``passes`` times, in an order drawn from ``seed``."""

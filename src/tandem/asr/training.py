@@ -53,6 +53,7 @@ __all__ = [
     "Checkpointing",
     "Run",
     "train",
+    "data_mismatch",
     "resume_mismatch",
     "TEST_SEED",
     "EXIT_STOPPED",
@@ -179,6 +180,29 @@ class DataSets:
     test: Any
     test_passes: int = 1
 
+    def fingerprints(self) -> dict[str, str] | None:
+        """The manifests' :meth:`~tandem.asr.manifest.ManifestSet.fingerprint` (``train``, ``test``), or
+        None for the bundled digits (the project's own file, checked by its test)."""
+        if not isinstance(self.train, ManifestSet):
+            return None
+        return {"train": self.train.fingerprint(), "test": self.test.fingerprint()}
+
+
+def data_mismatch(data: DataSets, state: dict[str, Any]) -> str | None:
+    """Why a run on ``data`` cannot continue from the checkpoint ``state``: a manifest whose recordings
+    changed since (a line added, removed, moved or edited, a recording of another length), or None."""
+    ours, theirs = data.fingerprints(), state.get("data_fingerprints")
+    if ours is None or theirs is None:  # the bundled digits, or a checkpoint written before the check
+        return None
+    changed = [f"--{k}-manifest" for k in ("train", "test") if ours[k] != theirs.get(k)]
+    if not changed:
+        return None
+    return (
+        f"--resume: the recordings of {' and '.join(changed)} differ from the ones the checkpoint's run "
+        "trained on (a line added, removed, moved or edited, or a recording of another length): the run "
+        "would not continue as it began. Put the manifest back as it was, or start a new run without --resume"
+    )
+
 
 # The training utterances' gain range with augmentation, against the generator's -10..6 dB. The speakers'
 # recordings differ by ~19 dB in level (RMS 0.010 for theo to 0.091 for jackson) over the same noise
@@ -256,7 +280,7 @@ class Run:
         self.config, self.group = config, group
         self.device = group.device
         self.alphabet = Alphabet(config.alphabet)
-        self.train_set, self.test_set = data.train, data.test
+        self.data, self.train_set, self.test_set = data, data.train, data.test
         self.test_plan = sorted(
             self.test_set.plan(TEST_SEED, passes=data.test_passes), key=lambda u: u.length
         )
@@ -304,11 +328,12 @@ class Run:
             "history": self.history,
             "train_seconds": self.seconds_before,
             "rng": _rng_state(),
+            "data_fingerprints": self.data.fingerprints(),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's ``state`` (checked with :func:`resume_mismatch` first)."""
-        problem = resume_mismatch(self.config, self.group.world, state)
+        problem = resume_mismatch(self.config, self.group.world, state) or data_mismatch(self.data, state)
         if problem:
             raise CheckpointError(problem)
         self.model.load_state_dict(state["model"])
@@ -605,7 +630,7 @@ def _starting_state(
             if state is None and resume and not restarted:
                 decision = (None, f"--resume: no readable checkpoint in {store.folder}")
             elif state is not None:
-                mismatch = resume_mismatch(run.config, group.world, state)
+                mismatch = resume_mismatch(run.config, group.world, state) or data_mismatch(run.data, state)
                 if skipped and mismatch is None:
                     print(
                         f"tandem train: continuing from the previous complete checkpoint, {path}", flush=True
