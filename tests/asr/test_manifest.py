@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _cli import tandem
@@ -202,3 +203,37 @@ def test_resume_refuses_a_manifest_that_changed(manifests, tmp_path):
     done = tandem(*args, "--epochs", "2", "--resume")
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((out / "metrics.json").read_text())["history"][-1]["epoch"] == 2
+
+
+def test_a_silent_recording_is_trained_on_with_a_warning(manifests, tmp_path, capsys):
+    """The check reads headers, not samples: a silent recording in a manifest is found when training
+    reads it, and must not end the run: it is rendered as it is (zeros), with one warning naming it."""
+    from tandem.asr import manifest
+
+    good = next((manifests[0].parent / "audio").glob("*.wav"))
+    silent = tmp_path / "silent.wav"
+    soundfile.write(str(silent), torch.zeros(16000).numpy(), 16000, subtype="PCM_16")
+    lines = [{"audio_filepath": str(good), "text": "two"}, {"audio_filepath": str(silent), "text": "one"}]
+    path = _manifest(tmp_path, lines)
+    entries = read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
+    data = manifest.ManifestSet(entries, 8000)
+    plan = {u.index: u for u in data.plan(0)}
+    manifest._WARNED_SILENT.discard(silent)
+    for _ in range(2):
+        audio = data.render(plan[1])
+        assert audio.shape == (8000,) and not audio.any()
+    warned = capsys.readouterr().err.splitlines()
+    assert warned == [
+        f"tandem train: warning: {silent} (manifest line 2): a silent recording (peak amplitude 0), "
+        "trained on as it is; take it out of the manifest for your next run"
+    ]
+    assert data.render(plan[0]).abs().max() > 0.01 and capsys.readouterr().err == ""
+    # what is not silence stays an error: NaN samples (a float WAV) end the run naming the line
+    broken = tmp_path / "nan.wav"
+    soundfile.write(str(broken), np.full(16000, np.nan, dtype=np.float32), 16000, subtype="FLOAT")
+    lines[1]["audio_filepath"] = str(broken)
+    data = manifest.ManifestSet(
+        read_manifest(_manifest(tmp_path, lines), ENGLISH, FeatureConfig(), ModelConfig()), 8000
+    )
+    with pytest.raises(manifest.AudioError, match=r"NaN or infinite samples \(manifest line 2\)"):
+        data.render(plan[1])

@@ -61,7 +61,9 @@ def source_name(source: AudioSource) -> str:
     return str(getattr(source, "name", "<stream>"))
 
 
-def read_audio(source: AudioSource, *, name: str | None = None) -> tuple[Tensor, int]:
+def read_audio(
+    source: AudioSource, *, name: str | None = None, silent_ok: bool = False
+) -> tuple[Tensor, int]:
     """Read a recording: its samples and its sample rate.
 
     Any sample rate and channel count; WAV with 8-bit (unsigned), 16/24/32-bit integer or 32/64-bit
@@ -71,13 +73,15 @@ def read_audio(source: AudioSource, *, name: str | None = None) -> tuple[Tensor,
     Args:
         source: a path, or a binary file object (read to its end, so a pipe such as standard input works).
         name: what error messages call the recording (default: the path, or the file object's ``name``).
+        silent_ok: return a silent recording instead of raising.
 
     Returns:
         waveform ``[channels, samples]`` float32, and the sample rate in Hz.
 
     Raises:
         AudioError: no such file, not a recording libsndfile reads, no samples (empty), non-finite
-            samples, or silent (every sample at most :data:`SILENCE_PEAK` in magnitude).
+            samples, or silent (every sample at most :data:`SILENCE_PEAK` in magnitude; unless
+            ``silent_ok``).
 
     Example::
 
@@ -104,7 +108,7 @@ def read_audio(source: AudioSource, *, name: str | None = None) -> tuple[Tensor,
     except OSError as e:
         raise AudioError(f"{label}: cannot read ({e.strerror or e})") from None
     waveform = torch.from_numpy(np.ascontiguousarray(samples.T))  # [channels, samples]
-    _check_samples(waveform, label)
+    _check_samples(waveform, label, silent_ok=silent_ok)
     return waveform, int(rate)
 
 
@@ -166,15 +170,18 @@ def _decode(f: BinaryIO, label: str) -> tuple[np.ndarray, int]:
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
 
 
-def _check_samples(waveform: Tensor, label: str, channels: Tensor | None = None) -> float:
-    """``waveform``'s peak magnitude, or :class:`AudioError` if it is empty, not finite or silent;
-    ``channels`` (``[C, samples]``), where ``waveform`` is their mix, names loud channels that cancel."""
+def _check_samples(
+    waveform: Tensor, label: str, channels: Tensor | None = None, silent_ok: bool = False
+) -> float:
+    """``waveform``'s peak magnitude, or :class:`AudioError` if it is empty, not finite or (unless
+    ``silent_ok``) silent; ``channels`` (``[C, samples]``), where ``waveform`` is their mix, names loud
+    channels that cancel."""
     if waveform.shape[-1] == 0:
         raise AudioError(f"{label}: empty recording (0 samples)")
     peak = float(waveform.abs().max())
     if not math.isfinite(peak):
         raise AudioError(f"{label}: the recording holds NaN or infinite samples")
-    if peak <= SILENCE_PEAK:
+    if peak <= SILENCE_PEAK and not silent_ok:
         loudest = float(channels.abs().max()) if channels is not None and channels.shape[0] > 1 else 0.0
         if loudest > SILENCE_PEAK:  # (a NaN does not compare: the mix would have held it)
             raise AudioError(
@@ -195,6 +202,7 @@ def to_model_input(
     *,
     name: str = "waveform",
     layout_checked: bool = False,
+    silent_ok: bool = False,
 ) -> Tensor:
     """A recording as the model's input: channels averaged to mono, resampled to ``target_rate``.
 
@@ -209,6 +217,8 @@ def to_model_input(
         name: what error messages call the waveform.
         layout_checked: the waveform is ``[channels, samples]`` for sure (read from a file), so more than
             :data:`MAX_CHANNELS` channels is no sign of a transposed array.
+        silent_ok: return a silent recording as it is instead of raising (training: one recording must
+            not end a run).
 
     Returns:
         ``[samples']`` float32, ``samples' = ceil(samples * target_rate / sample_rate)``.
@@ -245,7 +255,7 @@ def to_model_input(
         raise ValueError(f"{name}: expected real samples, got dtype {x.dtype}")
     x = x.detach().to(torch.float32)
     mono = x.mean(0) if x.dim() == 2 else x  # [samples]
-    peak = _check_samples(mono, name, x if x.dim() == 2 else None)
+    peak = _check_samples(mono, name, x if x.dim() == 2 else None, silent_ok)
     if peak > LOUDEST:
         mono = mono / peak  # float32's power spectrum would overflow; the features do not see the level
     return resample(mono, int(sample_rate), int(target_rate)).contiguous()

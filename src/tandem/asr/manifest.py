@@ -7,7 +7,9 @@ lower-cased and its whitespace collapsed, as the alphabet normalises it.
 :func:`read_manifest` checks every line before training starts and raises one :class:`ManifestError`
 that lists the problems (up to a limit), each with the manifest, the line and what is wrong: invalid
 JSON, a missing key, empty text, characters outside the alphabet, a missing or unreadable file, or
-audio too short for its transcript under CTC (fewer output frames than the labels need).
+audio too short for its transcript under CTC (fewer output frames than the labels need). It reads each
+file's header, not its samples: a silent recording is found when training reads it, and trained on as it
+is with a warning (:meth:`ManifestSet.render`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,7 @@ import numpy as np
 from torch import Tensor
 from tqdm import tqdm
 
-from tandem.asr.audio import AudioError, read_audio, to_model_input, wav_truncation
+from tandem.asr.audio import SILENCE_PEAK, AudioError, read_audio, to_model_input, wav_truncation
 from tandem.asr.features import FeatureConfig
 from tandem.asr.model import ModelConfig
 from tandem.asr.text import Alphabet
@@ -204,9 +207,25 @@ class ManifestSet:
         return utterances
 
     def render(self, utterance: ManifestUtterance) -> Tensor:
+        """The recording at the model's rate. A silent one (the check reads no samples) is trained on as
+        it is, with a warning the first time this process reads it: one file must not end a long run."""
         entry = self.entries[utterance.index]
         try:
-            waveform, rate = read_audio(entry.path)
-            return to_model_input(waveform, rate, self.sample_rate, name=str(entry.path))
+            waveform, rate = read_audio(entry.path, silent_ok=True)
+            audio = to_model_input(waveform, rate, self.sample_rate, name=str(entry.path), silent_ok=True)
         except AudioError as e:
             raise AudioError(f"{e} (manifest line {entry.line})") from None
+        peak = float(audio.abs().max())
+        if peak <= SILENCE_PEAK and entry.path not in _WARNED_SILENT:
+            _WARNED_SILENT.add(entry.path)
+            print(
+                f"tandem train: warning: {entry.path} (manifest line {entry.line}): a silent recording (peak "
+                f"amplitude {peak:.3g}), trained on as it is; take it out of the manifest for your next run",
+                file=sys.stderr,
+                flush=True,
+            )
+        return audio
+
+
+# the silent recordings this process has warned of (each once)
+_WARNED_SILENT: set[Path] = set()
