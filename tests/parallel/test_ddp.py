@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import _ddp_workers as w
+import numpy as np
 import pytest
 import torch
 from _ranks import spawn_ranks
@@ -381,7 +382,7 @@ def test_one_rank_argument_errors(one_rank):
         make(torch.nn.Linear(2, 2), timeout=0)
     with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
         make(torch.nn.Linear(2, 2).requires_grad_(False))
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(AttributeError, match="torch.nn.Module"):  # torch's type
         make(lambda x: x)
     # torch's RuntimeError (and, for a lazy module, its words) before anything is sent
     with pytest.raises(RuntimeError, match="uninitialized parameters can't be used"):
@@ -396,6 +397,34 @@ def test_one_rank_argument_errors(one_rank):
     ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())  # not a future
     with pytest.raises(TypeError, match="must return a torch.futures.Future"):
         ddp(torch.randn(3, 2)).sum().backward()
+
+
+def test_one_rank_bad_arguments_raise_torchs_exception_types(one_rank):
+    """What torch's DDP refuses, refused with torch's exception type (a module on two device types, a
+    process group that is none, a flag that is no bool to its C++ reducer); what it takes, taken."""
+    Torch = torch.nn.parallel.DistributedDataParallel
+    lin = lambda: torch.nn.Linear(2, 2)  # noqa: E731
+    cases = {
+        "not a module": lambda make: make(lambda x: x),
+        "cpu and meta": lambda make: make(torch.nn.Sequential(lin(), torch.nn.Linear(2, 2, device="meta"))),
+        "process group name": lambda make: make(lin(), process_group="gloo"),
+        "process group number": lambda make: make(lin(), process_group=3),
+    }
+    for flag in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
+        for value in ("yes", "", [1], None, 1, np.bool_(True), torch.tensor(False)):
+            cases[f"{flag}={value!r}"] = lambda make, f=flag, v=value: make(lin(), **{f: v})
+    refused = 0
+    for name, case in cases.items():
+        outcomes = []
+        for make in (Torch, tandem.parallel.DistributedDataParallel):
+            try:
+                case(make)
+                outcomes.append(None)
+            except Exception as e:  # noqa: BLE001
+                outcomes.append(type(e))
+        assert outcomes[0] == outcomes[1], (name, outcomes)
+        refused += outcomes[0] is not None
+    assert refused == 4 + 3 * 3
 
 
 def test_one_rank_takes_what_torchs_takes(one_rank):

@@ -340,7 +340,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         Joinable.__init__(self)  # join() sets its configuration
         self._divide_by_initial_world_size = True
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(
+            raise AttributeError(  # torch's type: its module.named_parameters() fails
                 f"DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}"
             )
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
@@ -356,6 +356,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         # torch's DDP leaves what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model named
         # rank-local: neither broadcast nor averaged
         self._ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        # torch's checks in torch's order, with its types (and words where they are its own)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self._ignored]
+        if not named:
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that "
+                "requires a gradient."
+            )
+        types = {p.device.type for n, p in module.named_parameters() if n not in self._ignored}
+        if len(types) != 1:
+            raise ValueError(
+                "DistributedDataParallel's input module must be on the same type of devices, but input "
+                f"module parameters locate in {types}."
+            )
         if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
             raise RuntimeError(  # torch's words
                 "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. Run a "
@@ -366,12 +379,21 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 "DistributedDataParallel: the module has parameters or buffers on the meta device, which "
                 "hold no values; materialize it first (module.to_empty(device=...), then load its state)"
             )
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in self._ignored]
-        if not named:
-            raise RuntimeError(
-                "DistributedDataParallel is not needed when a module doesn't have any parameter that "
-                "requires a gradient."
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(  # torch's type (from its C++ binding)
+                "DistributedDataParallel: expected process_group a torch.distributed.ProcessGroup, got "
+                f"{type(process_group).__name__}"
             )
+        for flag, value in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("static_graph", static_graph),
+        ):
+            # what torch's C++ reducer takes as a bool: None, or what has a truth value of its own
+            if value is not None and not hasattr(type(value), "__bool__"):
+                raise TypeError(
+                    f"DistributedDataParallel: expected {flag} a bool, got {type(value).__name__}"
+                )
         self.timeout = timeout_seconds(timeout, "DistributedDataParallel", process_group)
         # torch's attribute: the device of the module's first parameter it keeps (one may not need grad)
         self.device = next(p for n, p in module.named_parameters() if n not in self._ignored).device
