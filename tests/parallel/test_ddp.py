@@ -427,6 +427,44 @@ def test_one_rank_bad_arguments_raise_torchs_exception_types(one_rank):
     assert refused == 4 + 3 * 3
 
 
+def test_one_rank_a_hooks_failed_future_fails_its_step_only(one_rank):
+    """A communication hook whose future fails: that backward raises (a RuntimeError, as torch's), the
+    other buckets' hooks end within it, and the next steps run as torch's DDP runs them (tandem's wrapper
+    refused every later step, as after a failed collective of its own)."""
+
+    def failing_first(state, bucket):
+        calls.append(bucket.index())
+        fut = torch.futures.Future()
+        if len(calls) == 1:
+            fut.set_exception(ValueError("boom"))
+        else:
+            fut.set_result(bucket.buffer() * 0.5)
+        return fut
+
+    grads = []
+    for cls in (torch.nn.parallel.DistributedDataParallel, tandem.parallel.DistributedDataParallel):
+        calls: list[int] = []
+        torch.manual_seed(0)
+        model = w.mlp(torch.float32)
+        ddp = cls(model, bucket_cap_mb=1e-4)  # several buckets
+        ddp.register_comm_hook(None, failing_first)
+        steps = []
+        for step in range(3):
+            model.zero_grad()
+            x, y = w.batch(step, 1)
+            try:
+                w.loss_fn(ddp(x.float()), y).backward()
+                steps.append([p.grad.clone() for p in model.parameters()])
+            except RuntimeError as e:
+                steps.append(type(e))
+        assert len(set(calls)) > 1, calls
+        grads.append(steps)
+    torchs, ours = grads
+    assert torchs[0] is not None and issubclass(ours[0], RuntimeError) and not isinstance(torchs[0], list)
+    for a, b in zip(torchs[1:], ours[1:]):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
 def test_one_rank_takes_what_torchs_takes(one_rank):
     """Arguments and attributes of torch's DDP that tandem refused or lacked: a negative bucket_cap_mb
     (torch closes every bucket at its first parameter), output_device=0 on a CPU module (torch tests its

@@ -1081,7 +1081,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         try:
             self._complete_and_wait()
         except CommunicationError as e:
-            self._failure = e
+            if not getattr(e, "hook_failed", False):
+                self._failure = e
             raise
         finally:
             t_backward = self._t_backward or t_local_end
@@ -1156,7 +1157,16 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 f"the all-reduce of gradient bucket {b.index} of {nbuckets} "
                 f"({_size(b.nbytes)}, {len(b.members)} parameters)"
             )
-            reduced = self._await(b, deadline, what)
+            try:
+                reduced = self._await(b, deadline, what)
+            except CommunicationError as e:
+                if getattr(e, "hook_failed", False):
+                    # the other buckets' hooks end first: none may complete into the next step
+                    for other in self._buckets:
+                        wait_event(
+                            other.event, deadline, "the other buckets' communication hooks", self.timeout
+                        )
+                raise
             if not b.copied:
                 self._copy_out(b, reduced, skip)
         if self._comm_thread is not None and self._comm_thread.errors:
@@ -1170,7 +1180,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             raise task.error
         if isinstance(task, _Bucket) and self._comm_hook is not None:
             # the bucket's future is the hook's: its own code may have raised
-            return result(task.future, what, cause="the communication hook raised, or another rank died")
+            try:
+                return result(task.future, what, cause="the communication hook raised, or another rank died")
+            except CommunicationError as e:
+                # the hook's future failed, not a collective of ours: as torch's DDP, the next step may go on
+                e.hook_failed = True  # type: ignore[attr-defined]
+                raise
         return result(task.future, what)
 
     def _copy_out(self, bucket: _Bucket, result: Any, skip: list[bool] | None) -> None:
