@@ -43,6 +43,11 @@ def _hx(layers: int, batch: int | None, hid: int = 7, cell: int = 7, **kw):
     return torch.randn(layers, *b, hid, **kw), torch.randn(layers, *b, cell, **kw)
 
 
+def _packed(x: torch.Tensor, sort: bool = True):
+    lengths = [4, 3] if sort else [3, 4]
+    return torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=sort)
+
+
 BAD_INPUTS = {
     "wrong-input-size": (dict(), lambda: (torch.randn(4, 2, 6), None)),
     "wrong-h0-shape": (dict(), lambda: (torch.randn(4, 2, 5), _hx(1, 3))),
@@ -58,6 +63,14 @@ BAD_INPUTS = {
     "input-device": (dict(), lambda: (torch.randn(4, 2, 5, device="meta"), None)),
     "h0-device": (dict(), lambda: (torch.randn(4, 2, 5), _hx(1, 2, device="meta"))),
     "bi-hx-layers": (dict(bidirectional=True), lambda: (torch.randn(4, 2, 5), _hx(1, 2))),
+    # torch's LSTM checks nothing of a packed input: its op's errors
+    "packed-input-dtype": (dict(), lambda: (_packed(torch.randn(4, 2, 5, dtype=torch.float64)), None)),
+    "packed-integer-input": (dict(), lambda: (_packed(torch.randint(0, 3, (4, 2, 5))), None)),
+    "packed-with-2d-hx": (dict(), lambda: (_packed(torch.randn(4, 2, 5)), _hx(1, None))),
+    "packed-with-2d-c0": (
+        dict(),
+        lambda: (_packed(torch.randn(4, 2, 5), sort=False), (torch.randn(1, 2, 7), torch.randn(2, 7))),
+    ),
 }
 
 

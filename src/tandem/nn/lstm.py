@@ -124,6 +124,13 @@ class LSTM(RNNLayers):
             rows.data = rows.data.to(dtype)
         if hx is not None:
             if rows.packed:
+                # torch's LSTM checks no packed input before its op, which raises an IndexError for states
+                # without a batch dimension (and a RuntimeError for the input's dtype, below)
+                if isinstance(hx, tuple) and len(hx) == 2 and (hx[0].dim() != 3 or hx[1].dim() != 3):
+                    raise IndexError(
+                        "Expected hidden[0] and hidden[1] of 3 dimensions (layers * directions, batch, size) "
+                        f"with a packed input, got {hx[0].dim()}-D and {hx[1].dim()}-D"
+                    )
                 # hx follows the caller's batch order; the packed rows are sorted by length
                 hx = self.permute_hidden(hx, rows.sorted_indices)
             else:
@@ -141,7 +148,12 @@ class LSTM(RNNLayers):
             kwargs = dict(dtype=rows.data.dtype, device=rows.data.device)
             hx = (torch.zeros(*shape, out_size, **kwargs), torch.zeros(*shape, self.hidden_size, **kwargs))
         # torch.nn.LSTM's check_forward_args (above): its checks and messages
-        self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
+        try:
+            self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
+        except ValueError as e:
+            if not rows.packed:
+                raise
+            raise RuntimeError(str(e)) from None  # torch's type: its op's matrix product refuses the dtype
         self._check_state_size(rows, hx[0], out_size, "Expected hidden[0] size {}, got {}")
         self._check_state_size(rows, hx[1], self.hidden_size, "Expected hidden[1] size {}, got {}")
         # what torch's lstm op refuses once the checks above passed (packed and unbatched input have made a
