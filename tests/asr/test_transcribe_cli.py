@@ -159,19 +159,36 @@ def test_a_bad_file_is_named_on_stderr_and_the_others_are_transcribed(
     assert len(err) == 1 and err[0].startswith(f"tandem transcribe: error: {bad}: ") and expected in err[0]
 
 
-def test_a_wav_written_as_a_stream_is_not_taken_for_a_truncated_one(setup, capsys, tmp_path):
-    """A writer that cannot know the length (sox or ffmpeg into a pipe) puts 0xFFFFFFFF (or 0) in the
-    header's data size: such a file is read whole, not refused."""
+@pytest.mark.parametrize("size", [0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF])
+def test_a_wav_written_as_a_stream_is_not_taken_for_a_truncated_one(
+    setup, capsys, tmp_path, monkeypatch, size
+):
+    """A writer that cannot know the length (sox, ffmpeg or arecord into a pipe) puts a placeholder in the
+    header's data size (0xFFFFFFFF, sox's 0x7FFFF000, 0x7FFFFFFF): such a file is read whole, not
+    refused, from a file as from standard input."""
     root, files, texts = setup
     audio, rate = sf.read(files[0], dtype="int16")
     streamed = tmp_path / "streamed.wav"
     sf.write(streamed, audio, rate, subtype="PCM_16")
     data = bytearray(streamed.read_bytes())
     at = data.index(b"data") + 4
-    data[at : at + 4] = (0xFFFFFFFF).to_bytes(4, "little")
+    data[at : at + 4] = size.to_bytes(4, "little")
     streamed.write_bytes(bytes(data))
     code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), str(streamed))
     assert (code, err) == (0, []) and out == [f"{streamed}\t{texts[0]}"]
+    monkeypatch.setattr(sys, "stdin", _Stdin(bytes(data)))
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "-")
+    assert (code, err) == (0, []) and out == [f"-\t{texts[0]}"]
+
+
+def test_a_truncated_wav_on_standard_input_is_refused_as_a_file_is(setup, capsys, monkeypatch):
+    """Cut short, a WAV piped in was transcribed in part without a word (only files were checked)."""
+    root, files, texts = setup
+    whole = Path(files[0]).read_bytes()
+    monkeypatch.setattr(sys, "stdin", _Stdin(whole[: len(whole) // 2]))
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "-", files[2])
+    assert code == 1 and out == [f"{files[2]}\t{texts[2]}"]
+    assert len(err) == 1 and err[0].startswith("tandem transcribe: error: <stdin>: a truncated WAV file: ")
 
 
 def test_every_bad_file_gets_its_line(setup, capsys, tmp_path):

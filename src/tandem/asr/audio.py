@@ -102,9 +102,9 @@ def read_audio(
             with open(path, "rb") as f:
                 if path.is_file():
                     _check_wav_complete(f, label)
-                samples, rate = _decode(f if path.is_file() else _whole(f, label), label)
+                samples, rate = _decode(f if path.is_file() else _complete(_whole(f, label), label), label)
         else:
-            samples, rate = _decode(_whole(source, label), label)
+            samples, rate = _decode(_complete(_whole(source, label), label), label)
     except OSError as e:
         raise AudioError(f"{label}: cannot read ({e.strerror or e})") from None
     waveform = torch.from_numpy(np.ascontiguousarray(samples.T))  # [channels, samples]
@@ -121,14 +121,16 @@ def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
 
 
 # Sizes a WAV writer puts in the data chunk's header when it cannot know the length (a stream)
-_WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)
+# what writers that cannot seek back (to a pipe) put in the data size: 0 or 0xFFFFFFFF, 0x7FFFF000 (sox),
+# 0x7FFFFFFF (arecord and others)
+_WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF)
 
 
 def wav_truncation(f: BinaryIO) -> tuple[int, int] | None:
     """For a WAV file cut short (a copy or download that stopped): the bytes of samples its header
     announces and the bytes the file holds after that header; None for a complete WAV, a WAV written as a
-    stream (size 0 or 0xFFFFFFFF) or anything else. libsndfile reads such a file without a word, as the
-    shorter recording it holds. ``f`` is read from its start and left there."""
+    stream (a size of 0, 0xFFFFFFFF, 0x7FFFF000 or 0x7FFFFFFF) or anything else. libsndfile reads such a
+    file without a word, as the shorter recording it holds. ``f`` is read from its start and left there."""
     f.seek(0, io.SEEK_END)
     end = f.tell()
     f.seek(0)
@@ -147,6 +149,12 @@ def wav_truncation(f: BinaryIO) -> tuple[int, int] | None:
             f.seek(size + (size & 1), io.SEEK_CUR)  # chunks are padded to an even size
     finally:
         f.seek(0)
+
+
+def _complete(buffer: io.BytesIO, label: str) -> io.BytesIO:
+    """A pipe's or stream's bytes, read whole, checked as a file is (a WAV cut short is refused)."""
+    _check_wav_complete(buffer, label)
+    return buffer
 
 
 def _check_wav_complete(f: BinaryIO, label: str) -> None:
