@@ -235,3 +235,41 @@ def test_coprime_rates_resample_in_bounded_memory():
         inner = slice(len(out) // 8, -len(out) // 8)
         np.testing.assert_allclose(out[inner], theirs[inner], rtol=0, atol=5e-3)
     assert features._sinc_kernel.cache_info().currsize == cached  # no table was built, none kept
+
+
+def test_integer_pcm_is_scaled_as_libsndfile_scales_it(tmp_path):
+    """8/16/32-bit PCM arrays (scipy.io.wavfile's int16) are the samples soundfile reads from the same WAV
+    as float: the silence rule and the features see the same recording; other integer types are refused,
+    and big-endian arrays are their values."""
+    rng = np.random.default_rng(0)
+    for subtype, dtype in (("PCM_U8", np.uint8), ("PCM_16", np.int16), ("PCM_32", np.int32)):
+        path = tmp_path / f"{subtype}.wav"
+        sf.write(path, rng.uniform(-0.5, 0.5, 4000), 8000, subtype=subtype)
+        as_float, _ = sf.read(path, dtype="float32")
+        if dtype is np.uint8:  # soundfile reads unsigned 8-bit only as float: the bytes by hand
+            raw = np.frombuffer(path.read_bytes()[-4000:], dtype=np.uint8)
+        else:
+            raw, _ = sf.read(path, dtype=dtype.__name__)
+        torch.testing.assert_close(
+            to_model_input(raw, 8000, 8000), torch.from_numpy(as_float), rtol=0, atol=0
+        )
+        big = raw.astype(np.dtype(dtype).newbyteorder(">"))
+        assert torch.equal(to_model_input(big, 8000, 8000), to_model_input(raw, 8000, 8000))
+    # digital silence with a last bit of dither is silent as int16 as it is as float
+    with pytest.raises(AudioError, match="silent recording"):
+        to_model_input(rng.integers(-1, 2, 16000).astype(np.int16), 8000, 8000)
+    for dtype in (np.int64, np.uint16):
+        with pytest.raises(
+            ValueError, match=rf"^clip: expected float samples or 8-, 16- or 32-bit .*{dtype.__name__}"
+        ):
+            to_model_input(np.ones(100, dtype), 8000, 8000, name="clip")
+
+
+def test_rates_below_1_khz_and_boolean_rates_are_refused():
+    x = torch.randn(1000)
+    with pytest.raises(AudioError, match=r"^w: sample rate 16 Hz is below the lowest taken, 1000 Hz \(.*kHz"):
+        to_model_input(x, 16, 8000, name="w")
+    assert to_model_input(x, 1000, 8000).shape == (8000,)
+    for rate in (np.True_, torch.tensor(True), np.array(True)):
+        with pytest.raises(ValueError, match="expected a positive integer sample_rate"):
+            to_model_input(x, rate, 8000)

@@ -42,6 +42,16 @@ MAX_CHANNELS = 64
 # The highest sample rate taken (768 kHz, the top rate of audio converters): a higher one is a broken
 # header or a wrong argument, and resampling from it would take gigabytes.
 MAX_SAMPLE_RATE = 768_000
+# The lowest (1 kHz, below any recording of speech): a lower one is a broken header or a rate given in kHz,
+# and resampling from it would make minutes of audio of every second.
+MIN_SAMPLE_RATE = 1_000
+# Integer PCM samples as libsndfile scales them to float: 8-, 16- and 32-bit (unsigned 8-bit centred on 128)
+_PCM_SCALE = {
+    torch.int8: (0, 2.0**7),
+    torch.uint8: (128, 2.0**7),
+    torch.int16: (0, 2.0**15),
+    torch.int32: (0, 2.0**31),
+}
 # Float samples above this are scaled down by their peak before the features (whose per-utterance
 # normalisation removes the level anyway): squared in float32, they would overflow to inf and NaN.
 LOUDEST = 1e15
@@ -218,8 +228,9 @@ def to_model_input(
     Nyquist frequency, so higher frequencies are filtered out rather than aliased).
 
     Args:
-        waveform: ``[samples]`` or ``[channels, samples]`` float (tensor or numpy array; integer arrays
-            are taken as they are, so scale 16-bit PCM by 1/32768 first).
+        waveform: ``[samples]`` or ``[channels, samples]``, a tensor or numpy array of float samples, or
+            of 8-, 16- or 32-bit integer PCM (``scipy.io.wavfile``'s int16), scaled to [-1, 1) as
+            libsndfile scales them (unsigned 8-bit centred on 128); other integer types are refused.
         sample_rate: the waveform's rate in Hz.
         target_rate: the model's rate in Hz (a checkpoint's ``FeatureConfig.sample_rate``).
         name: what error messages call the waveform.
@@ -233,7 +244,7 @@ def to_model_input(
 
     Raises:
         AudioError: empty, non-finite or silent (see :data:`SILENCE_PEAK`) after mixing to mono, or a
-            rate above :data:`MAX_SAMPLE_RATE`.
+            rate above :data:`MAX_SAMPLE_RATE` or below :data:`MIN_SAMPLE_RATE`.
         ValueError: a bad shape or rate, naming the argument.
 
     Example::
@@ -247,8 +258,17 @@ def to_model_input(
         raise AudioError(
             f"{name}: sample rate {int(sample_rate)} Hz is above the highest taken, {MAX_SAMPLE_RATE} Hz"
         )
+    if float(sample_rate) < MIN_SAMPLE_RATE:
+        raise AudioError(
+            f"{name}: sample rate {int(sample_rate)} Hz is below the lowest taken, {MIN_SAMPLE_RATE} Hz (the "
+            "rate is in Hz, not kHz)"
+        )
     if isinstance(waveform, np.ndarray):
+        if not waveform.dtype.isnative:  # big-endian samples (from a file's bytes): the same values
+            waveform = waveform.astype(waveform.dtype.newbyteorder("="))
         waveform = np.ascontiguousarray(waveform)  # a reversed view (negative strides) too
+        if not waveform.flags.writeable:  # read-only (np.frombuffer, a memmap): torch would warn
+            waveform = waveform.copy()
     x = torch.as_tensor(waveform)
     if x.dim() not in (1, 2):
         raise ValueError(f"{name}: expected [samples] or [channels, samples], got shape {list(x.shape)}")
@@ -261,6 +281,14 @@ def to_model_input(
         )
     if x.is_complex() or x.dtype == torch.bool:
         raise ValueError(f"{name}: expected real samples, got dtype {x.dtype}")
+    if not x.is_floating_point():
+        if x.dtype not in _PCM_SCALE:
+            raise ValueError(
+                f"{name}: expected float samples or 8-, 16- or 32-bit integer PCM, got dtype {x.dtype} "
+                "(scale the samples to [-1, 1] first)"
+            )
+        offset, scale = _PCM_SCALE[x.dtype]
+        x = (x.to(torch.float64) - offset) / scale
     x = x.detach().to(torch.float32)
     mono = x.mean(0) if x.dim() == 2 else x  # [samples]
     peak = _check_samples(mono, name, x if x.dim() == 2 else None, silent_ok)
@@ -271,7 +299,9 @@ def to_model_input(
 
 def _positive_integer(value: object) -> bool:
     """A whole number above 0 of any numeric kind (int, float, numpy, a 0-d tensor); no bool or text."""
-    if isinstance(value, (bool, str, bytes)):
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        return False
+    if isinstance(value, (Tensor, np.ndarray)) and value.dtype in (torch.bool, np.bool_):
         return False
     try:
         as_float = float(value)  # type: ignore[arg-type]
