@@ -319,3 +319,38 @@ def test_ctrl_c_is_one_line_and_status_130(setup, capsys, monkeypatch):
     monkeypatch.setattr(Recognizer, "iter_transcribe_files", interrupted)
     code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "--batch-size", "1", *files)
     assert (code, out, err) == (130, [f"{files[0]}\t{texts[0]}"], ["tandem transcribe: interrupted"])
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_status_130(setup, capsys, monkeypatch):
+    """Ctrl-C in the first second (torch importing, the checkpoint loading) was a traceback."""
+    root, files, texts = setup
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Recognizer, "from_checkpoint", interrupted)
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), *files)
+    assert (code, out, err) == (130, [], ["tandem transcribe: interrupted"])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file names are bytes")
+def test_a_file_name_that_is_not_utf8_is_printed_as_its_bytes(setup, tmp_path):
+    """A name with a byte that is not UTF-8 ended in a UnicodeEncodeError traceback (the files after it
+    lost); its line now holds the name's own bytes, and its JSON line the escapes (valid JSON)."""
+    root, files, texts = setup
+    odd = os.fsencode(tmp_path) + b"/bad\xffname.wav"
+    with open(odd, "wb") as f:
+        f.write(Path(files[0]).read_bytes())
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+        "PYTHONIOENCODING": "utf-8",  # strict, as under a usual en_US.UTF-8 locale
+    }
+    command = [sys.executable, "-m", "tandem", "transcribe", "--model", str(root / "checkpoint.pt")]
+    done = subprocess.run([*command, odd, files[1]], capture_output=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert done.stdout.splitlines() == [odd + b"\t" + texts[0].encode(), f"{files[1]}\t{texts[1]}".encode()]
+    done = subprocess.run([*command, "--json", odd], capture_output=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    record = json.loads(done.stdout.decode("utf-8"))
+    assert os.fsencode(record["path"]) == odd and record["text"] == texts[0]

@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _undecodable(name: str) -> bool:
+    """Whether ``name`` holds bytes that were not UTF-8 (Python's surrogate escapes U+DC80-U+DCFF)."""
+    return any("\udc80" <= c <= "\udcff" for c in name)
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
@@ -85,17 +90,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     not be (each named on stderr), 2 if nothing could be (the checkpoint, the device, the arguments)."""
     if args.files.count("-") > 1:
         return _fail("- (standard input) can be given once")
-    # torch and the recognizer load only here: `tandem --help` stays quick
-    from tandem.asr.checkpoint import CheckpointError
-    from tandem.asr.recognizer import Recognizer
-
     try:
-        recognizer = Recognizer.from_checkpoint(args.model, device=args.device, fit_edges=not args.one_pass)
-    except CheckpointError as e:
-        return _fail(f"--model: {e}")
-    except ValueError as e:  # CUDA asked for and absent
-        return _fail(f"--device: {e}")
+        # torch and the recognizer load only here: `tandem --help` stays quick
+        from tandem.asr.checkpoint import CheckpointError
+        from tandem.asr.recognizer import Recognizer
 
+        try:
+            recognizer = Recognizer.from_checkpoint(
+                args.model, device=args.device, fit_edges=not args.one_pass
+            )
+        except CheckpointError as e:
+            return _fail(f"--model: {e}")
+        except ValueError as e:  # CUDA asked for and absent
+            return _fail(f"--device: {e}")
+    except KeyboardInterrupt:  # Ctrl-C while torch loads: one line, as later
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+    # a file name that is not valid UTF-8 reaches Python with surrogates for its odd bytes: printed as the
+    # bytes they stand for (as ls prints it), and in JSON as escapes (valid JSON, unlike the raw bytes)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="surrogateescape")
     sources = [sys.stdin.buffer if f == "-" else f for f in args.files]
     failed = 0
     try:
@@ -105,7 +120,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"{PROG}: error: {result.error}", file=sys.stderr, flush=True)
                 if args.json:  # its line too, so that a reader of the JSON lines sees every file
                     record = {"path": arg, "text": None, "error": result.error}
-                    print(json.dumps(record, ensure_ascii=False), flush=True)
+                    print(json.dumps(record, ensure_ascii=_undecodable(arg)), flush=True)
             elif args.json:
                 record = {
                     "path": arg,
@@ -113,7 +128,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     "audio_seconds": round(result.audio_seconds, 4),
                     "compute_seconds": round(result.seconds, 4),
                 }
-                print(json.dumps(record, ensure_ascii=False), flush=True)
+                print(json.dumps(record, ensure_ascii=_undecodable(arg)), flush=True)
             else:
                 print(f"{arg}\t{result.text}", flush=True)
     except BrokenPipeError:  # `tandem transcribe ... | head`: the reader left; nothing more to say
