@@ -354,3 +354,17 @@ def test_a_file_name_that_is_not_utf8_is_printed_as_its_bytes(setup, tmp_path):
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     record = json.loads(done.stdout.decode("utf-8"))
     assert os.fsencode(record["path"]) == odd and record["text"] == texts[0]
+
+
+def test_closed_standard_input_and_bytes_paths(setup, capsys, monkeypatch, tmp_path):
+    """``-`` with standard input closed (``<&-``) is that file's error line, the others transcribed (an
+    AttributeError traceback lost them); a bytes path is a path, named in messages as such."""
+    root, files, texts = setup
+    monkeypatch.setattr(sys, "stdin", None)
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "-", files[0])
+    assert code == 1 and out == [f"{files[0]}\t{texts[0]}"]
+    assert err == ["tandem transcribe: error: <stdin>: cannot read (standard input is closed)"]
+    rec = Recognizer.from_checkpoint(root / "checkpoint.pt")
+    got = rec.transcribe_files([os.fsencode(files[0]), os.fsencode(tmp_path / "gone.wav")])
+    assert got[0].text == texts[0] and got[0].source == files[0]
+    assert got[1].error == f"{tmp_path / 'gone.wav'}: no such file"

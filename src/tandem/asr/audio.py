@@ -56,7 +56,7 @@ _PCM_SCALE = {
 # normalisation removes the level anyway): squared in float32, they would overflow to inf and NaN.
 LOUDEST = 1e15
 
-AudioSource = Union[str, "os.PathLike[str]", BinaryIO]
+AudioSource = Union[str, bytes, "os.PathLike[str]", BinaryIO]
 
 
 class AudioError(ValueError):
@@ -66,8 +66,8 @@ class AudioError(ValueError):
 
 def source_name(source: AudioSource) -> str:
     """What messages call ``source``: the path as given, or the file object's ``name`` (``<stdin>``)."""
-    if isinstance(source, (str, os.PathLike)):
-        return os.fspath(source)
+    if isinstance(source, (str, bytes, os.PathLike)):
+        return os.fsdecode(source)
     return str(getattr(source, "name", "<stream>"))
 
 
@@ -101,8 +101,8 @@ def read_audio(
     """
     label = name if name is not None else source_name(source)
     try:
-        if isinstance(source, (str, os.PathLike)):
-            path = Path(source)
+        if isinstance(source, (str, bytes, os.PathLike)):
+            path = Path(os.fsdecode(source))
             if not path.exists():
                 raise AudioError(f"{label}: no such file")
             if path.is_dir():
@@ -130,9 +130,8 @@ def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
     return io.BytesIO(data)
 
 
-# Sizes a WAV writer puts in the data chunk's header when it cannot know the length (a stream)
-# what writers that cannot seek back (to a pipe) put in the data size: 0 or 0xFFFFFFFF, 0x7FFFF000 (sox),
-# 0x7FFFFFFF (arecord and others)
+# Sizes a WAV writer puts in the data chunk's header when it cannot know the length (a stream, a pipe
+# it cannot seek back in): 0 or 0xFFFFFFFF, 0x7FFFF000 (sox), 0x7FFFFFFF (arecord and others)
 _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF)
 
 

@@ -75,6 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _ClosedStdin:
+    """Standard input closed (``<&-``): the file ``-`` fails with its line, as a file that cannot be read."""
+
+    name = "<stdin>"
+
+    def read(self, *args: object) -> bytes:
+        raise OSError("standard input is closed")
+
+
 def _undecodable(name: str) -> bool:
     """Whether ``name`` holds bytes that were not UTF-8 (Python's surrogate escapes U+DC80-U+DCFF)."""
     return any("\udc80" <= c <= "\udcff" for c in name)
@@ -111,7 +120,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # bytes they stand for (as ls prints it), and in JSON as escapes (valid JSON, unlike the raw bytes)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="surrogateescape")
-    sources = [sys.stdin.buffer if f == "-" else f for f in args.files]
+    stdin = sys.stdin.buffer if sys.stdin is not None else _ClosedStdin()
+    sources = [stdin if f == "-" else f for f in args.files]
     failed = 0
     try:
         for arg, result in zip(args.files, recognizer.iter_transcribe_files(sources, args.batch_size)):
