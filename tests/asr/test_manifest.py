@@ -78,6 +78,8 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
     not_audio.write_text("these are words, not sound")
     short = tmp_path / "short.wav"
     soundfile.write(str(short), (torch.randn(1600) * 0.1).numpy(), 16000)  # 0.1 s
+    slow = tmp_path / "slow.wav"  # a 1 Hz header: hours of audio at the model's rate
+    soundfile.write(str(slow), (torch.randn(4000) * 0.1).numpy(), 1)
     truncated = tmp_path / "cut.wav"  # a copy cut short: libsndfile would read its first half quietly
     truncated.write_bytes(good_wav.read_bytes()[: len(good_wav.read_bytes()) // 2])
     ok = {"audio_filepath": str(good_wav), "text": "two"}
@@ -100,6 +102,10 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
             ":2: audio file " + str(short) + " is too short for its transcript",
         ),
         "not-an-object": ([ok, "[1, 2]"], ":2: expected a JSON object, got list"),
+        "rate": (
+            [ok, {"audio_filepath": str(slow), "text": "two"}],
+            f":2: audio file {slow}: sample rate 1 Hz is outside the rates taken, 1000-768000 Hz",
+        ),
     }
 
 

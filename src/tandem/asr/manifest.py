@@ -26,7 +26,15 @@ import numpy as np
 from torch import Tensor
 from tqdm import tqdm
 
-from tandem.asr.audio import SILENCE_PEAK, AudioError, read_audio, to_model_input, wav_truncation
+from tandem.asr.audio import (
+    MAX_SAMPLE_RATE,
+    MIN_SAMPLE_RATE,
+    SILENCE_PEAK,
+    AudioError,
+    read_audio,
+    to_model_input,
+    wav_truncation,
+)
 from tandem.asr.features import FeatureConfig
 from tandem.asr.model import ModelConfig
 from tandem.asr.text import Alphabet
@@ -66,11 +74,17 @@ def ctc_frames_needed(labels: Tensor) -> int:
     return len(labels) + repeats
 
 
-def _samples_at(path: Path, rate: int) -> int:
-    """The recording's length at ``rate`` Hz, from its header (soundfile.info: nothing is decoded)."""
+def _samples_at(path: Path, rate: int) -> int | str:
+    """The recording's length at ``rate`` Hz, from its header (soundfile.info: nothing is decoded), or
+    what is wrong with its rate (as :func:`~tandem.asr.audio.to_model_input` would refuse it)."""
     import soundfile
 
     info = soundfile.info(str(path))
+    if not MIN_SAMPLE_RATE <= info.samplerate <= MAX_SAMPLE_RATE:
+        return (
+            f"audio file {path}: sample rate {info.samplerate} Hz is outside the rates taken, "
+            f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz (a broken header?)"
+        )
     return math.ceil(info.frames * rate / info.samplerate)
 
 
@@ -159,6 +173,8 @@ def check_entry(
     except Exception as e:  # soundfile's errors are RuntimeErrors (LibsndfileError) and others
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"audio file {audio}: not a readable recording ({reason})"
+    if isinstance(samples, str):
+        return samples
     frames = int(model.output_frames(features.frames(samples)))
     needed = ctc_frames_needed(alphabet.encode(text))
     if frames < needed:
