@@ -8,9 +8,8 @@ lower-cased and its whitespace collapsed, as the alphabet normalises it.
 that lists the problems (up to a limit), each with the manifest, the line and what is wrong: invalid
 JSON, a missing key, empty text, characters outside the alphabet, a missing or unreadable file, a WAV
 cut short, a sample rate outside 1 kHz-768 kHz, or audio too short for its transcript under CTC (fewer
-output frames than the labels need). It reads each
-file's header, not its samples: a silent recording is found when training reads it, and trained on as it
-is with a warning (:meth:`ManifestSet.render`).
+output frames than the labels need). It reads each file's header, not its samples: a silent recording is
+found when training reads it, and trained on as it is with a warning (:meth:`ManifestSet.render`).
 """
 
 from __future__ import annotations
