@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--one-pass",
         action="store_true",
-        help="transcribe each recording as it is, in one pass (default: a recording with long silence "
-        "before its first word or after its last is cut to its words and transcribed again)",
+        help="transcribe each recording as it is, in one pass (default: long silence before the first "
+        "word or after the last is cut, a recording that starts on its first word is padded, and each is "
+        "transcribed again)",
     )
     parser.add_argument(
         "--json",
