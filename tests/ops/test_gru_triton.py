@@ -9,6 +9,7 @@ instance of every launch in Python.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 from dataclasses import dataclass
@@ -329,6 +330,33 @@ def test_triton_kernel_runs_in_float16_under_autocast_as_cudnn(autocast_dtype, i
     tol = 0.1 if input_dtype == torch.float32 else 0.15  # bfloat16 input has lost bits already
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=tol, rtol=tol, msg=name)
+
+
+@needs_triton
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_kernel_under_autocast_is_the_float16_layer(autocast_dtype):
+    """Under autocast, with the backward run inside it too, the layer computes exactly what it computes in
+    float16 without autocast, as torch's autocast wrapper of cuDNN's RNNs casts to half and then runs with
+    autocast off: nothing inside the ops runs in autocast's own dtype (on the GPU a kernel registered for
+    "cuda" apart ran the input projection in bfloat16)."""
+    case = Case(packed=True, hidden=20)
+    ref, x, h0 = _make(case, torch.float32)
+    ours = tandem.nn.GRU(INPUT, case.hidden, bidirectional=True).to(TRITON_DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    half = copy.deepcopy(ours).half()
+    with torch.autocast(TRITON_DEVICE, dtype=autocast_dtype):
+        got = _run(ours, case, x.to(TRITON_DEVICE, torch.float32), h0.to(TRITON_DEVICE, torch.float32))
+    expected = _run(half, case, x.to(TRITON_DEVICE, torch.float16), h0.to(TRITON_DEVICE, torch.float16))
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("op", ["gru_fwd", "gru_bwd"])
+def test_no_cuda_kernel_registered_apart(op):
+    """CUDA tensors take the ops' one implementation, the one CI runs under the interpreter, which turns
+    autocast off around the kernels: the dispatcher calls a kernel registered for "cuda" without it."""
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"tandem::{op}", "CUDA")
 
 
 # the GPU build, which the interpreter cannot show (compiled ahead of time for sm_90: no GPU needed)

@@ -9,6 +9,7 @@ process they are skipped. Shapes stay tiny: the interpreter runs every program i
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 from dataclasses import dataclass
@@ -367,11 +368,13 @@ def test_triton_kernel_recorded_loops_are_reused_with_new_data(proj: int, monkey
     assert sorted(key[0] for key in graphs._entries) == ["bwd", "fwd"]  # the last problem's two loops
 
 
-@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
 @pytest.mark.parametrize("op", ["lstm_fwd", "lstm_bwd"])
-def test_cuda_kernel_is_registered(op):
-    """CUDA tensors reach the Triton launchers through the dispatcher, not through the default kernel."""
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"tandem::{op}", "CUDA")
+def test_no_cuda_kernel_registered_apart(op):
+    """CUDA tensors take the ops' one implementation, the one CI runs under the interpreter, which turns
+    autocast off around the kernels: the dispatcher calls a kernel registered for "cuda" without it (on
+    the GPU a backward run inside a bfloat16 autocast failed: parameter products in bfloat16 beside float16
+    operands)."""
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"tandem::{op}", "CUDA")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -461,6 +464,25 @@ def test_triton_kernel_runs_in_float16_under_autocast_as_cudnn(autocast_dtype, i
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=0.15, rtol=5e-2, msg=name)
+
+
+@needs_triton
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_kernel_under_autocast_is_the_float16_layer(autocast_dtype):
+    """Under autocast, with the backward run inside it too, the layer computes exactly what it computes in
+    float16 without autocast, as torch's autocast wrapper of cuDNN's RNNs casts to half and then runs with
+    autocast off: nothing inside the ops runs in autocast's own dtype."""
+    case = Case(bidirectional=True, input="packed-unsorted", hidden=20, batch=5)
+    torch.manual_seed(0)
+    _, ours, x, hx = _make(case, torch.float32)
+    ours = ours.to(TRITON_DEVICE)
+    half = copy.deepcopy(ours).half()
+    with torch.autocast(TRITON_DEVICE, dtype=autocast_dtype):
+        got = _run(ours, case, x, hx, TRITON_DEVICE)
+    expected = _run(half, case, x.half(), tuple(t.half() for t in hx), TRITON_DEVICE)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value.to(got[name].dtype), rtol=0, atol=0, msg=name)
 
 
 # ------------------------------------------------------------------------------------------------

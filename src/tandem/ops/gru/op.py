@@ -4,9 +4,11 @@ The forward returns the saved activations as extra outputs (custom ops see only 
 outputs in ``setup_context``); they are marked non-differentiable, and unused outputs get ``None``
 gradients instead of materialised zeros.
 
-Kernels: the time loops run in Triton (:mod:`tandem.ops.gru.triton`) for CUDA tensors, registered with
-``register_kernel("cuda")``, and for CPU tensors when ``TANDEM_FORCE_TRITON=1`` (how CI runs them under
-Triton's interpreter); otherwise in plain PyTorch (:mod:`tandem.ops.gru.reference`).
+Kernels: one implementation for every device, with autocast off (:func:`tandem._backend.as_given`): the
+time loops run in Triton (:mod:`tandem.ops.gru.triton`) for CUDA tensors, and for CPU tensors when
+``TANDEM_FORCE_TRITON=1`` (how CI runs them under Triton's interpreter); otherwise in plain PyTorch
+(:mod:`tandem.ops.gru.reference`). No kernel is registered for "cuda" apart: the dispatcher would call it
+without that body, so under autocast the products outside the loops ran in autocast's dtype.
 """
 
 # No ``from __future__ import annotations`` here: torch 2.4's custom_op reads the annotations at
@@ -15,7 +17,7 @@ Triton's interpreter); otherwise in plain PyTorch (:mod:`tandem.ops.gru.referenc
 import torch
 from torch import Tensor
 
-from tandem._backend import as_given, triton_available, use_triton
+from tandem._backend import as_given, use_triton
 from tandem.ops._recompute import grads_through, wants_graph
 from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref, gru_layer_autograd
 
@@ -143,8 +145,3 @@ def _triton_bwd(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, 
     from tandem.ops.gru.triton import gru_bwd_triton
 
     return gru_bwd_triton(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx)
-
-
-if triton_available():
-    gru_fwd.register_kernel("cuda")(_triton_fwd)
-    gru_bwd.register_kernel("cuda")(_triton_bwd)

@@ -4,10 +4,13 @@ The forward returns the saved activations as extra outputs (custom ops see only 
 outputs in ``setup_context``); they are marked non-differentiable, and unused outputs get ``None``
 gradients instead of materialised zeros.
 
-Kernels: CUDA tensors run the Triton launchers of :mod:`tandem.ops.lstm.triton` (registered for "cuda"
-when Triton imports); the default (CPU) implementation runs the reference, or the Triton launchers when
-:func:`tandem._backend.use_triton` says so (``TANDEM_FORCE_TRITON=1``, how CI runs them under Triton's
-interpreter). Triton is imported only when a launcher runs: it is an optional extra.
+Kernels: one implementation for every device, which runs the Triton launchers of
+:mod:`tandem.ops.lstm.triton` where :func:`tandem._backend.use_triton` says so (CUDA tensors when Triton
+imports; CPU tensors with ``TANDEM_FORCE_TRITON=1``, how CI runs them under Triton's interpreter), else
+the reference, with autocast off (:func:`tandem._backend.as_given`). No kernel is registered for "cuda"
+apart: the dispatcher would call it without that body, under autocast (in a backward run inside
+``torch.autocast`` the parameter products ran in bfloat16 beside float16 operands and failed). Triton is
+imported only when a launcher runs: it is an optional extra.
 """
 
 # No ``from __future__ import annotations`` here: torch 2.4's custom_op reads the annotations at
@@ -16,7 +19,7 @@ interpreter). Triton is imported only when a launcher runs: it is an optional ex
 import torch
 from torch import Tensor
 
-from tandem._backend import as_given, triton_available, use_triton
+from tandem._backend import as_given, use_triton
 from tandem.ops._recompute import grads_through, wants_graph
 from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref, lstm_layer_autograd
 
@@ -203,17 +206,3 @@ def _backward(ctx, dy, dh_n, dc_n, *_):
 
 
 lstm_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-if triton_available():
-    # The launchers take the ops' own parameters, so the dispatcher's arguments pass straight through.
-    @lstm_fwd.register_kernel("cuda")
-    def _lstm_fwd_cuda(*args, **kwargs):
-        from tandem.ops.lstm.triton import lstm_fwd_triton
-
-        return lstm_fwd_triton(*args, **kwargs)
-
-    @lstm_bwd.register_kernel("cuda")
-    def _lstm_bwd_cuda(*args, **kwargs):
-        from tandem.ops.lstm.triton import lstm_bwd_triton
-
-        return lstm_bwd_triton(*args, **kwargs)
