@@ -62,6 +62,7 @@ def _sweep(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, bl
     # the LSTM's blocks: BLOCK_H walks the gates' columns, BLOCK_R is a program's columns of dh_prev
     inner, outer = ("BLOCK_J", "BLOCK_K") if cell == "gru" else ("BLOCK_H", "BLOCK_R")
     module.CUDA_GRAPHS = device == "cuda"
+    module.BWD_SPLIT = False  # the fused step, whose blocks these are (graphs alone would split it)
     module.TIME_LOOP = "per-step"
     default_meta = module._step_meta
     torch.manual_seed(0)
@@ -127,7 +128,7 @@ def _split(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, bl
             _variant(label, module, model, x, base, times[True])
     finally:
         module.product_meta = default
-        module.BWD_SPLIT = False
+        module.BWD_SPLIT = None
 
 
 def main() -> None:

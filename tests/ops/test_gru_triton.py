@@ -127,7 +127,9 @@ def kernel(request, monkeypatch):
         from tandem.ops.gru import triton as gru_triton
 
         monkeypatch.setattr(gru_triton, "TIME_LOOP", request.param.split("-graphs")[0].split("-split")[0])
-        monkeypatch.setattr(gru_triton, "BWD_SPLIT", request.param.endswith("-split"))
+        # the graphs run the default, which splits the backward step there
+        split = {"per-step-split": True, "per-step-graphs": None}.get(request.param, False)
+        monkeypatch.setattr(gru_triton, "BWD_SPLIT", split)
         monkeypatch.setattr(gru_triton, "_SPLIT_BLOCK", 16)  # several blocks of every kind in the cases
         monkeypatch.setattr(gru_triton, "CUDA_GRAPHS", request.param.endswith("-graphs"))
         monkeypatch.setattr(gru_triton, "STEP_GRAPHS", gru_triton.StepGraphs())
@@ -350,6 +352,30 @@ def test_triton_kernel_under_autocast_is_the_float16_layer(autocast_dtype):
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+@needs_triton
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphs"])
+def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(graphs, monkeypatch):
+    """BWD_SPLIT's default, None: the split step where the loops are replayed as CUDA graphs (where it was
+    timed faster on an H100), the fused kernel elsewhere."""
+    from tandem.ops.gru import triton as gru_triton
+
+    assert gru_triton.BWD_SPLIT is None
+    monkeypatch.setattr(gru_triton, "TIME_LOOP", "per-step")
+    monkeypatch.setattr(gru_triton, "CUDA_GRAPHS", graphs)
+    monkeypatch.setattr(gru_triton, "STEP_GRAPHS", gru_triton.StepGraphs())
+    names = ("_gru_bwd_step", "_gru_bwd_gates")
+    counters = {name: LaunchCounter(getattr(gru_triton, name)) for name in names}
+    for name, counter in counters.items():
+        monkeypatch.setattr(gru_triton, name, counter)
+    case = Case(hidden=20)
+    ref, x, h0 = _make(case, torch.float32)
+    ours = tandem.nn.GRU(INPUT, case.hidden, bidirectional=True).to(TRITON_DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    _run(ours, case, x.to(TRITON_DEVICE, torch.float32), h0.to(TRITON_DEVICE, torch.float32))
+    assert (counters["_gru_bwd_gates"].launches > 0) is graphs
+    assert (counters["_gru_bwd_step"].launches > 0) is not graphs
 
 
 @pytest.mark.parametrize("op", ["gru_fwd", "gru_bwd"])

@@ -104,7 +104,9 @@ def kernel(request, monkeypatch):
         from tandem.ops.lstm import triton as lstm_triton
 
         monkeypatch.setattr(lstm_triton, "TIME_LOOP", request.param.split("-graphs")[0].split("-split")[0])
-        monkeypatch.setattr(lstm_triton, "BWD_SPLIT", request.param.endswith("-split"))
+        # the graphs run the default, which splits the backward step there
+        split = {"per-step-split": True, "per-step-graphs": None}.get(request.param, False)
+        monkeypatch.setattr(lstm_triton, "BWD_SPLIT", split)
         monkeypatch.setattr(lstm_triton, "CUDA_GRAPHS", request.param.endswith("-graphs"))
         monkeypatch.setattr(lstm_triton, "STEP_GRAPHS", lstm_triton.StepGraphs())
     return request.param
@@ -366,6 +368,29 @@ def test_triton_kernel_recorded_loops_are_reused_with_new_data(proj: int, monkey
         for a, b in zip(got, expected):
             torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-12)
     assert sorted(key[0] for key in graphs._entries) == ["bwd", "fwd"]  # the last problem's two loops
+
+
+@needs_triton
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphs"])
+def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(graphs, monkeypatch):
+    """BWD_SPLIT's default, None: the split step where the loops are replayed as CUDA graphs (where it was
+    timed faster on an H100), the fused kernel elsewhere."""
+    from tandem.ops.lstm import triton as lstm_triton
+
+    assert lstm_triton.BWD_SPLIT is None
+    monkeypatch.setattr(lstm_triton, "TIME_LOOP", "per-step")
+    monkeypatch.setattr(lstm_triton, "CUDA_GRAPHS", graphs)
+    monkeypatch.setattr(lstm_triton, "STEP_GRAPHS", lstm_triton.StepGraphs())
+    names = ("_lstm_bwd_kernel", "_lstm_bwd_gates")
+    counters = {name: LaunchCounter(getattr(lstm_triton, name)) for name in names}
+    for name, counter in counters.items():
+        monkeypatch.setattr(lstm_triton, name, counter)
+    case = Case(bidirectional=True, input="packed-unsorted")
+    torch.manual_seed(0)
+    _, ours, x, hx = _make(case, torch.float32)
+    _run(ours.to(TRITON_DEVICE), case, x, hx, TRITON_DEVICE)
+    assert (counters["_lstm_bwd_gates"].launches > 0) is graphs
+    assert (counters["_lstm_bwd_kernel"].launches > 0) is not graphs
 
 
 @pytest.mark.parametrize("op", ["lstm_fwd", "lstm_bwd"])

@@ -62,6 +62,7 @@ from tandem.ops._triton_rnn import (
     persistent_meta,
     precision,
     product_meta,
+    split_backward,
     step_product,
     step_rows,
     tf32,
@@ -88,9 +89,12 @@ STEP_GRAPHS = StepGraphs()
 
 # Whether the per-step backward runs as two launches a step, the gate gradients element by element
 # (_gru_bwd_gates) and then dL/dh_prev as a tile product over every column block (step_product), instead
-# of the fused _gru_bwd_step, whose programs each recompute the gate gradients of all H columns. Off until
-# timed on a GPU (benchmarks/gpu_sweep_bwd.py compares the two); the tests run both.
-BWD_SPLIT = False
+# of the fused _gru_bwd_step, whose programs each recompute the gate gradients of all H columns. None (the
+# default): split where the loops are recorded as CUDA graphs (CUDA_GRAPHS), fused elsewhere. Timed on an
+# H100 at T100-B32-I512-H512 (one direction, a training step; docs/notes/triton-rnn.md v3.3): split
+# 1.61x (float32) and 1.47x (bfloat16) the fused with graphs, 0.78x and 0.52x without, where each step
+# pays a second launch from the host. The tests run both.
+BWD_SPLIT: bool | None = None
 _SPLIT_BLOCK = 64  # the largest block of the split step's kernels (the tests shrink it)
 
 # Which time loop runs: "auto" (the persistent kernels where _PERSISTENT_WARPS has the hidden size, the
@@ -586,7 +590,8 @@ def gru_bwd_triton(
         # holds dh0
         last = f"carry{len(steps.sizes) % 2}"
 
-        split = _split_meta(x.dtype, batch, hid, meta) if BWD_SPLIT else None
+        split_now = split_backward(BWD_SPLIT, CUDA_GRAPHS)
+        split = _split_meta(x.dtype, batch, hid, meta) if split_now else None
 
         def loop(b: dict[str, Tensor]) -> None:
             carry = (b["carry0"], b["carry1"])
@@ -613,7 +618,7 @@ def gru_bwd_triton(
         reads |= dict(states=states.contiguous(), w_hh=w_hh)
         if CUDA_GRAPHS:
             key = ("bwd", x.device, x.dtype, d_, batch, hid, total, tuple(steps.sizes))
-            key += (tuple(sorted(meta.items())), BWD_SPLIT)
+            key += (tuple(sorted(meta.items())), split_now)
             updates = {last: reads.pop(last)}
             out = STEP_GRAPHS.run(key, loop, reads, updates, {}, dict(dgates=dgates, dn_in=dn_in))
             dgates, dn_in, dh0 = out["dgates"], out["dn_in"], out[last]

@@ -78,6 +78,7 @@ from tandem.ops._triton_rnn import (
     persistent_meta,
     precision,
     product_meta,
+    split_backward,
     step_product,
     step_rows,
     tf32,
@@ -104,9 +105,11 @@ TIME_LOOP = "auto"
 # Whether the per-step backward runs as two launches a step, dz and dc_prev element by element
 # (_lstm_bwd_gates) and then dh_prev = dz @ W_hh as a tile product over every column block (step_product),
 # instead of the fused _lstm_bwd_kernel, whose R / BLOCK_R programs of a row block each recompute the gate
-# gradients of all H columns. Off until timed on a GPU (benchmarks/gpu_sweep_bwd.py --split compares the
-# two); the tests run both.
-BWD_SPLIT = False
+# gradients of all H columns. None (the default): split where the loops are recorded as CUDA graphs
+# (CUDA_GRAPHS), fused elsewhere. Timed on an H100 at T100-B32-I512-H512 (one direction, a training step;
+# docs/notes/triton-rnn.md v3.3): split 2.06x (float32) and 1.41x (bfloat16) the fused with graphs, 0.91x
+# and 0.95x without. The tests run both.
+BWD_SPLIT: bool | None = None
 _SPLIT_BLOCK = 64  # the largest block of the split step's kernels (the tests shrink it)
 
 # Whether the per-step loops are recorded once per problem and replayed (CUDA graphs on GPUs), as the
@@ -701,7 +704,8 @@ def lstm_bwd_triton(
         meta = dict(HAS_DH=has_dh, HAS_DHIN=not has_proj, COMPUTE=tl_compute, UPCAST=upcast(x), TF32=tf32(x))
         meta |= _step_meta("bwd", x.dtype, batch, hid, out_size)
         block_b, block_r = meta["BLOCK_B"], meta["BLOCK_R"]
-        split = _split_meta(x.dtype, batch, hid, out_size, meta) if BWD_SPLIT else None
+        split_now = split_backward(BWD_SPLIT, CUDA_GRAPHS)
+        split = _split_meta(x.dtype, batch, hid, out_size, meta) if split_now else None
 
         def loop(b: dict[str, Tensor]) -> None:
             # the carries ping-pong: step s reads pair i_in and writes the other
@@ -756,7 +760,7 @@ def lstm_bwd_triton(
             updates[name] = reads.pop(name)
         if CUDA_GRAPHS:
             key = ("bwd", x.device, x.dtype, d_, batch, hid, out_size, total, tuple(sizes))
-            key += (tuple(sorted(meta.items())), BWD_SPLIT)
+            key += (tuple(sorted(meta.items())), split_now)
             out = STEP_GRAPHS.run(key, loop, reads, updates, {}, scratch)
         else:
             out = reads | updates | scratch
