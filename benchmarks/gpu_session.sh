@@ -11,7 +11,8 @@
 # "sweep" (benchmarks/gpu_sweep_bwd.py --cell lstm: the LSTM's backward blocks, about a minute);
 # "split" (benchmarks/gpu_sweep_bwd.py --split: the split backward step against the fused, both cells);
 # "suite" (the whole test suite under the image's torch, 2.11, which CI never runs: 6 minutes with 14
-# pytest processes; it needs the wheels of benchmarks/gpu_wheels.sh, carried as .whl, and CAP=400).
+# pytest processes; it needs the wheels of benchmarks/gpu_wheels.sh, carried as .whl, and CAP=400;
+# SUITE="tests/asr tests/parallel" runs those paths only).
 # Bench options (--quick, --min-time S) go to every benchmark.
 # Writes the logs, one CSV of every benchmark, the GRU/LSTM charts and the run's metrics.json under $OUT
 # (the device tool brings back at most 8 files from that folder), else /tmp/tandem-gpu.
@@ -52,9 +53,13 @@ for part in $parts; do
         # the suite's packages the image lacks, from the carried wheels, on the path of pytest and its children
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/tandem-site .whl/*.whl >/dev/null 2>&1 || echo "no wheels in .whl: run gpu_wheels.sh here"
-        PYTHONPATH=/tmp/tandem-site:src timeout "$cap" python3 -m pytest -q -p no:cacheprovider -n 14 \
-            --timeout 300 tests >"$out/suite.log" 2>&1
+        # one thread per test process: 14 processes of 16 threads each on 16 cores (with the ranks they
+        # spawn) left a DDP group not started in 45 s and a CPU GRU test at 200 s (an H100, 2026-11-26).
+        # SIGINT at the cap, so pytest still prints what failed; -v names every test that ran.
+        OMP_NUM_THREADS=1 PYTHONPATH=/tmp/tandem-site:src timeout -s INT -k 20 "$cap" python3 -m pytest -v \
+            -p no:cacheprovider -n 14 --timeout 300 ${SUITE:-tests} >"$out/suite.log" 2>&1
         echo "suite exit $?: $(tail -n 1 "$out/suite.log")"
+        grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/[^: ]*" "$out/suite.log" | sort | uniq -c
         grep -E "^(FAILED|ERROR)|spawn_ranks" "$out/suite.log" | cut -c1-200 | head -n 40
         ;;
     sweep)

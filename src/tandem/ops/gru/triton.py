@@ -83,7 +83,8 @@ __all__ = ["gru_fwd_triton", "gru_bwd_triton"]
 _FMA = dict(enable_fp_fusion=True)
 
 # Whether the per-step loops are recorded once per problem and replayed (CUDA graphs on GPUs): no host
-# gap between steps. Off until measured on a GPU (none has been lent yet); tests run it on the CPU.
+# gap between steps. Off by default: a graph is recorded for each new pattern of lengths (BENCHMARKS.md,
+# GPU, has the times); tests run it on the CPU.
 CUDA_GRAPHS = False
 STEP_GRAPHS = StepGraphs()
 

@@ -113,7 +113,7 @@ BWD_SPLIT: bool | None = None
 _SPLIT_BLOCK = 64  # the largest block of the split step's kernels (the tests shrink it)
 
 # Whether the per-step loops are recorded once per problem and replayed (CUDA graphs on GPUs), as the
-# GRU's: off until measured on a GPU (none has been lent yet); tests run it on the CPU.
+# GRU's: off by default, as there; tests run it on the CPU.
 CUDA_GRAPHS = False
 STEP_GRAPHS = StepGraphs()
 
