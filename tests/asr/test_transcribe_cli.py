@@ -289,6 +289,31 @@ def test_a_real_pipe_into_a_spawned_tandem(setup):
     assert done.stderr.decode().splitlines() == ["tandem transcribe: error: gone.wav: no such file"]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_standard_output_that_fails_is_exit_2_in_one_line(setup):
+    """``> /dev/full`` ended in a traceback, and ``>&-`` (stdout closed) in status 0 with every line
+    dropped: both are now one line on stderr and status 2, as nothing was delivered."""
+    root, files, _ = setup
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", "tandem", "transcribe", "--model", str(root / "checkpoint.pt"), *files]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, env=env, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.decode().splitlines() == [
+        "tandem transcribe: error: writing the transcripts to standard output: No space left on device"
+    ]
+    done = subprocess.run(
+        ["sh", "-c", '"$@" >&-', "sh", *command], stderr=subprocess.PIPE, env=env, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().splitlines() == [
+        "tandem transcribe: error: standard output is closed: nowhere to write the transcripts"
+    ]
+
+
 def test_usage_errors(setup, capsys):
     root, files, _ = setup
     with pytest.raises(SystemExit) as info:

@@ -90,6 +90,26 @@ def _undecodable(name: str) -> bool:
     return any("\udc80" <= c <= "\udcff" for c in name)
 
 
+class _OutputError(Exception):
+    """Standard output failed (``> /dev/full``, a full disk), other than a reader that left."""
+
+
+def _emit(line: str) -> None:
+    """One line on standard output, flushed, so that each file's line is out as soon as it is known."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise _OutputError(e.strerror or str(e)) from e
+
+
+def _drop_stdout() -> None:
+    """Standard output to /dev/null after it failed: flushing it at exit would raise once more (Python's
+    documented remedy for a broken pipe)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
@@ -100,6 +120,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     not be (each named on stderr), 2 if nothing could be (the checkpoint, the device, the arguments)."""
     if args.files.count("-") > 1:
         return _fail("- (standard input) can be given once")
+    if sys.stdout is None:  # `>&-`: print() would drop every line and the run end in success
+        return _fail("standard output is closed: nowhere to write the transcripts")
     try:
         # torch and the recognizer load only here: `tandem --help` stays quick
         from tandem.asr.checkpoint import CheckpointError
@@ -131,7 +153,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"{PROG}: error: {result.error}", file=sys.stderr, flush=True)
                 if args.json:  # its line too, so that a reader of the JSON lines sees every file
                     record = {"path": arg, "text": None, "error": result.error}
-                    print(json.dumps(record, ensure_ascii=_undecodable(arg)), flush=True)
+                    _emit(json.dumps(record, ensure_ascii=_undecodable(arg)))
             elif args.json:
                 record = {
                     "path": arg,
@@ -139,13 +161,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     "audio_seconds": round(result.audio_seconds, 4),
                     "compute_seconds": round(result.seconds, 4),
                 }
-                print(json.dumps(record, ensure_ascii=_undecodable(arg)), flush=True)
+                _emit(json.dumps(record, ensure_ascii=_undecodable(arg)))
             else:
-                print(f"{arg}\t{result.text}", flush=True)
+                _emit(f"{arg}\t{result.text}")
     except BrokenPipeError:  # `tandem transcribe ... | head`: the reader left; nothing more to say
-        # stdout to /dev/null, or flushing it at exit raises once more (Python's documented remedy)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         return 1
+    except _OutputError as e:  # the transcripts are lost: nothing was delivered
+        _drop_stdout()
+        return _fail(f"writing the transcripts to standard output: {e}")
     except KeyboardInterrupt:  # Ctrl-C: what was printed stands; one line, the shell's status for SIGINT
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
