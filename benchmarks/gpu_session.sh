@@ -10,6 +10,8 @@
 # is `tandem bench --op train` (the whole job, tandem's parts against torch's). Not in the defaults:
 # "sweep" (benchmarks/gpu_sweep_bwd.py --cell lstm: the LSTM's backward blocks, about a minute);
 # "split" (benchmarks/gpu_sweep_bwd.py --split: the split backward step against the fused, both cells);
+# "split-sizes" (the same two steps, no block sweep, at the job's H128, H256 and H1024: where the split
+# step pays with and without CUDA graphs, BWD_SPLIT's default);
 # "suite" (the whole test suite under the image's torch, 2.11, which CI never runs: 6 minutes with 14
 # pytest processes; it needs the wheels of benchmarks/gpu_wheels.sh, carried as .whl, and CAP=400;
 # SUITE="tests/asr tests/parallel" runs those paths only).
@@ -68,6 +70,10 @@ for part in $parts; do
     split)
         timeout "$cap" python3 benchmarks/gpu_sweep_bwd.py --split 2>&1 | tee -a "$out/session.txt"
         ;;
+    split-sizes)
+        timeout "$cap" python3 benchmarks/gpu_sweep_bwd.py --split --no-product-sweep \
+            --shape T100-B16-I128-H128 T100-B32-I256-H256 T200-B64-I1024-H1024 2>&1 | tee -a "$out/session.txt"
+        ;;
     gru | lstm | adagrad | transcribe | bench-train)
         part=${part#bench-}
         plot=()
@@ -79,8 +85,8 @@ for part in $parts; do
         rm -f "$out/bench-part.txt"
         ;;
     *)
-        echo "unknown part $part (tests, train, profile, sweep, split, suite, bench-train, gru, lstm, adagrad," \
-            "transcribe)" >&2
+        echo "unknown part $part (tests, train, profile, sweep, split, split-sizes, suite, bench-train, gru, lstm," \
+            "adagrad, transcribe)" >&2
         ;;
     esac
 done

@@ -3,8 +3,8 @@
 graphs on, so the host's launches drop out) with each block pair and num_warps, its gradients checked
 against the default blocks' (the same kernel math, so equal up to summation order).
 
-    PYTHONPATH=src python3 benchmarks/gpu_sweep_bwd.py [--cell gru lstm] [--shape T100-B32-I512-H512]
-        [--dtype float32 bfloat16] [--split]
+    PYTHONPATH=src python3 benchmarks/gpu_sweep_bwd.py [--cell gru lstm] [--shape T100-B32-I512-H512 ...]
+        [--dtype float32 bfloat16] [--split [--no-product-sweep]]
 
 ``--split`` instead times the split backward step (``BWD_SPLIT``: the gate gradients, then the product,
 two launches a step) against the fused one, with and without CUDA graphs, then sweeps the product's
@@ -89,7 +89,9 @@ def _sweep(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, bl
         module._step_meta = default_meta
 
 
-def _split(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, blocks, warps) -> None:
+def _split(
+    cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, blocks, warps, products: bool = True
+) -> None:
     import tandem
     from tandem.ops import _triton_rnn
     from tandem.ops.gru import triton as gru_triton
@@ -115,6 +117,9 @@ def _split(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, bl
             label = f"{cell} {name} {'split' if split else 'fused'} graphs={graphs}"
             print(f"{label}: {times[split]:.3f} ms, rel. diff {err:.1e}", flush=True)
         print(f"{cell} {name} graphs={graphs}: split {times[False] / times[True]:.2f}x the fused", flush=True)
+    if not products:
+        module.BWD_SPLIT = None
+        return
     module.BWD_SPLIT = True
     default = _triton_rnn.product_meta
     try:
@@ -134,17 +139,26 @@ def _split(cell: str, shape: dict[str, int], dtype: torch.dtype, device: str, bl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cell", nargs="+", default=["gru", "lstm"], choices=["gru", "lstm"])
-    parser.add_argument("--shape", type=_parse_shape, default=_parse_shape("T100-B32-I512-H512"))
+    parser.add_argument("--shape", type=_parse_shape, nargs="+", default=[_parse_shape("T100-B32-I512-H512")])
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--split", action="store_true", help="the split backward step against the fused")
+    parser.add_argument(
+        "--no-product-sweep", action="store_true", help="with --split: the two steps, no block sweep"
+    )
     args = parser.parse_args()
-    run = _split if args.split else _sweep
-    for cell in args.cell:
-        for name in args.dtype:
-            run(cell, args.shape, getattr(torch, name), args.device, args.blocks, args.warps)
+    for shape in args.shape:
+        if len(args.shape) > 1:
+            print("shape " + "-".join(f"{k}{v}" for k, v in shape.items()), flush=True)
+        for cell in args.cell:
+            for name in args.dtype:
+                blocks = (getattr(torch, name), args.device, args.blocks, args.warps)
+                if args.split:
+                    _split(cell, shape, *blocks, products=not args.no_product_sweep)
+                else:
+                    _sweep(cell, shape, *blocks)
 
 
 if __name__ == "__main__":

@@ -61,3 +61,29 @@ def test_the_backward_sweep_runs_under_the_interpreter():
     variants = [line for line in lines if "rel. diff" in line]
     assert len(variants) == 4 and "failed" not in done.stdout, done.stdout  # (J16 K16, J16 K128) per cell
     assert all(float(re.search(r"rel. diff (\S+)", line).group(1)) < 1e-12 for line in variants), done.stdout
+
+
+@pytest.mark.skipif(not _backend.triton_available(), reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the comparison runs compiled on it")
+@pytest.mark.timeout(300)
+def test_the_split_step_comparison_runs_under_the_interpreter_at_several_shapes():
+    """``--split --no-product-sweep`` over two shapes (the session's "split-sizes"): both steps of both
+    cells at each, the same gradients."""
+    env = dict(os.environ, TRITON_INTERPRET="1", TANDEM_FORCE_TRITON="1", PYTHONPATH=str(ROOT / "src"))
+    args = ["--device", "cpu", "--dtype", "float64", "--split", "--no-product-sweep"]
+    args += ["--shape", "T3-B4-I8-H16", "T2-B3-I4-H8"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_sweep_bwd.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if line.startswith("shape")] == ["shape T3-B4-I8-H16", "shape T2-B3-I4-H8"]
+    ratios = [line for line in lines if "x the fused" in line]
+    assert [line.split()[0] for line in ratios] == ["gru", "lstm"] * 2, done.stdout
+    steps = [line for line in lines if "rel. diff" in line]
+    assert len(steps) == 8 and "product" not in done.stdout, done.stdout
+    assert all(float(re.search(r"rel. diff (\S+)", line).group(1)) < 1e-12 for line in steps), done.stdout
