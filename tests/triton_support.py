@@ -18,6 +18,7 @@ __all__ = [
     "TRITON_DEVICE",
     "TRITON_VERSION",
     "LaunchCounter",
+    "backward_launches",
     "compile_sm90",
     "assert_builds_once",
     "compiled_variants",
@@ -160,3 +161,21 @@ class LaunchCounter:
     def __getitem__(self, grid):
         self.launches += 1
         return self.kernel[grid]
+
+
+def backward_launches(module, layer: torch.nn.Module, kernels: list[str], graphs: bool, monkeypatch) -> dict:
+    """Launches of each of ``kernels`` (names in ``module``, a cell's Triton module) in one training step
+    of ``layer`` on a packed batch: per-step loops, ``CUDA_GRAPHS`` set to ``graphs``, every other switch
+    of ``module`` as it is."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    monkeypatch.setattr(module, "TIME_LOOP", "per-step")
+    monkeypatch.setattr(module, "CUDA_GRAPHS", graphs)
+    monkeypatch.setattr(module, "STEP_GRAPHS", module.StepGraphs())
+    counters = {name: LaunchCounter(getattr(module, name)) for name in kernels}
+    for name, counter in counters.items():
+        monkeypatch.setattr(module, name, counter)
+    x = torch.randn(5, 3, layer.input_size, device=TRITON_DEVICE)
+    out, _ = layer(pack_padded_sequence(x, [5, 2, 4], enforce_sorted=False))
+    out.data.square().sum().backward()
+    return {name: counter.launches for name, counter in counters.items()}

@@ -25,6 +25,7 @@ from triton_support import (
     TRITON_DEVICE,
     LaunchCounter,
     assert_builds_once,
+    backward_launches,
     compile_sm90,
     local_memory_bytes,
     needs_triton,
@@ -362,20 +363,10 @@ def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(g
     from tandem.ops.gru import triton as gru_triton
 
     assert gru_triton.BWD_SPLIT is None
-    monkeypatch.setattr(gru_triton, "TIME_LOOP", "per-step")
-    monkeypatch.setattr(gru_triton, "CUDA_GRAPHS", graphs)
-    monkeypatch.setattr(gru_triton, "STEP_GRAPHS", gru_triton.StepGraphs())
-    names = ("_gru_bwd_step", "_gru_bwd_gates")
-    counters = {name: LaunchCounter(getattr(gru_triton, name)) for name in names}
-    for name, counter in counters.items():
-        monkeypatch.setattr(gru_triton, name, counter)
-    case = Case(hidden=20)
-    ref, x, h0 = _make(case, torch.float32)
-    ours = tandem.nn.GRU(INPUT, case.hidden, bidirectional=True).to(TRITON_DEVICE)
-    ours.load_state_dict(ref.state_dict())
-    _run(ours, case, x.to(TRITON_DEVICE, torch.float32), h0.to(TRITON_DEVICE, torch.float32))
-    assert (counters["_gru_bwd_gates"].launches > 0) is graphs
-    assert (counters["_gru_bwd_step"].launches > 0) is not graphs
+    layer = tandem.nn.GRU(INPUT, 20, bidirectional=True).to(TRITON_DEVICE)
+    launches = backward_launches(gru_triton, layer, ["_gru_bwd_step", "_gru_bwd_gates"], graphs, monkeypatch)
+    assert (launches["_gru_bwd_gates"] > 0) is graphs
+    assert (launches["_gru_bwd_step"] > 0) is not graphs
 
 
 @pytest.mark.parametrize("op", ["gru_fwd", "gru_bwd"])

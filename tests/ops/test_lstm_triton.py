@@ -26,6 +26,7 @@ from triton_support import (
     TRITON_VERSION,
     LaunchCounter,
     assert_builds_once,
+    backward_launches,
     compile_sm90,
     local_memory_bytes,
     needs_triton,
@@ -378,19 +379,11 @@ def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(g
     from tandem.ops.lstm import triton as lstm_triton
 
     assert lstm_triton.BWD_SPLIT is None
-    monkeypatch.setattr(lstm_triton, "TIME_LOOP", "per-step")
-    monkeypatch.setattr(lstm_triton, "CUDA_GRAPHS", graphs)
-    monkeypatch.setattr(lstm_triton, "STEP_GRAPHS", lstm_triton.StepGraphs())
-    names = ("_lstm_bwd_kernel", "_lstm_bwd_gates")
-    counters = {name: LaunchCounter(getattr(lstm_triton, name)) for name in names}
-    for name, counter in counters.items():
-        monkeypatch.setattr(lstm_triton, name, counter)
-    case = Case(bidirectional=True, input="packed-unsorted")
-    torch.manual_seed(0)
-    _, ours, x, hx = _make(case, torch.float32)
-    _run(ours.to(TRITON_DEVICE), case, x, hx, TRITON_DEVICE)
-    assert (counters["_lstm_bwd_gates"].launches > 0) is graphs
-    assert (counters["_lstm_bwd_kernel"].launches > 0) is not graphs
+    layer = tandem.nn.LSTM(INPUT, 20, bidirectional=True).to(TRITON_DEVICE)
+    kernels = ["_lstm_bwd_kernel", "_lstm_bwd_gates"]
+    launches = backward_launches(lstm_triton, layer, kernels, graphs, monkeypatch)
+    assert (launches["_lstm_bwd_gates"] > 0) is graphs
+    assert (launches["_lstm_bwd_kernel"] > 0) is not graphs
 
 
 @pytest.mark.parametrize("op", ["lstm_fwd", "lstm_bwd"])
