@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,28 @@ class RNNLayers(torch.nn.RNNBase):
         except RuntimeError:  # inference tensors keep no version
             return
         copy.register_hook(functools.partial(_versions_unchanged, self.mode, originals, names, versions))
+
+    def _dispatch(self, input: Tensor | PackedSequence, hx: Any) -> Any:
+        """The forward: torch's own where tandem's kernels do not take the call; under autocast on the
+        Triton path (:meth:`_autocast_dtype`) the subclass's ``_forward`` with autocast off throughout, its
+        tensors cast on the way in, as torch's autocast wrapper of ``_cudnn_rnn`` casts and then excludes
+        autocast: the concatenation of the layers' states and the formulas of an empty batch or of
+        torch.func compute in that dtype too, not in autocast's own (which failed or gave float32)."""
+        if not isinstance(self.bidirectional, bool) or self._under_cpu_autocast(input):
+            return self._torch_forward(input, hx)  # torch's error, or torch's mixed-precision numbers
+        data = input[0] if isinstance(input, PackedSequence) else input
+        dtype = self._autocast_dtype(data) if isinstance(data, Tensor) else None
+        if dtype is None:
+            return self._forward(input, hx, None)
+        with torch.autocast(data.device.type, enabled=False):
+            return self._forward(input, hx, dtype)
+
+    @staticmethod
+    def _as_called(dtype: torch.dtype | None, data: Tensor) -> contextlib.AbstractContextManager:
+        """Around torch's own input check inside :meth:`_dispatch`'s autocast-off forward: autocast on
+        again where the call came under it (``dtype`` given), since torch's check then lets an input
+        whose dtype is not the weights' through."""
+        return contextlib.nullcontext() if dtype is None else torch.autocast(data.device.type, dtype=dtype)
 
     @staticmethod
     def _under_cpu_autocast(input: Tensor | PackedSequence) -> bool:

@@ -69,12 +69,16 @@ class GRU(RNNLayers):
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: Tensor | None = None
     ) -> tuple[Tensor | PackedSequence, Tensor]:
-        if not isinstance(self.bidirectional, bool) or self._under_cpu_autocast(input):
-            return self._torch_forward(input, hx)  # torch's error, or torch's mixed-precision numbers
+        return self._dispatch(input, hx)
+
+    def _forward(
+        self, input: Tensor | PackedSequence, hx: Tensor | None, dtype: torch.dtype | None
+    ) -> tuple[Tensor | PackedSequence, Tensor]:
+        """The forward of :meth:`_dispatch`, ``dtype`` the one autocast makes the layers run in (None:
+        the input's own)."""
         weights_now = self._current_weights()
         num_directions = 2 if self.bidirectional else 1
         rows = self._take_input(input)
-        dtype = self._autocast_dtype(rows.data)
         if dtype is not None:
             rows.data = rows.data.to(dtype)
         if hx is not None:
@@ -96,7 +100,8 @@ class GRU(RNNLayers):
             hx = torch.zeros(shape, dtype=rows.data.dtype, device=rows.data.device)
         hx = self._autocast_state(hx, dtype)
         # torch.nn.GRU's check_forward_args: its checks and messages
-        self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
+        with self._as_called(dtype, rows.data):
+            self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
         self._check_state_size(rows, hx, self.hidden_size, "Expected hidden size {}, got {}")
         self._check_devices_and_dtypes(rows.data, {"hx": hx}, weights_now["weight_ih_l0"])
         self._to_rows(rows)

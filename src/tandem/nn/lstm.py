@@ -113,13 +113,17 @@ class LSTM(RNNLayers):
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
-        if not isinstance(self.bidirectional, bool) or self._under_cpu_autocast(input):
-            return self._torch_forward(input, hx)  # torch's error, or torch's mixed-precision numbers
+        return self._dispatch(input, hx)
+
+    def _forward(
+        self, input: Tensor | PackedSequence, hx: tuple[Tensor, Tensor] | None, dtype: torch.dtype | None
+    ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
+        """The forward of :meth:`_dispatch`, ``dtype`` the one autocast makes the layers run in (None:
+        the input's own)."""
         weights_now = self._current_weights()
         num_directions = 2 if self.bidirectional else 1
         out_size = self.proj_size if self.proj_size > 0 else self.hidden_size
         rows = self._take_input(input)
-        dtype = self._autocast_dtype(rows.data)
         if dtype is not None:
             rows.data = rows.data.to(dtype)
         if hx is not None:
@@ -149,7 +153,8 @@ class LSTM(RNNLayers):
             hx = (torch.zeros(*shape, out_size, **kwargs), torch.zeros(*shape, self.hidden_size, **kwargs))
         # torch.nn.LSTM's check_forward_args (above): its checks and messages
         try:
-            self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
+            with self._as_called(dtype, rows.data):
+                self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
         except ValueError as e:
             if not rows.packed:
                 raise
