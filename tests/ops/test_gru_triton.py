@@ -380,6 +380,34 @@ def test_triton_kernel_layer_stack_under_autocast_is_the_float16_stack(module_dt
 
 
 @needs_triton
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_triton_kernel_graphs_first_recorded_under_inference_mode_replay_outside_it(cell, monkeypatch):
+    """CUDA_GRAPHS: a problem first seen under torch.inference_mode() recorded inference tensors as its
+    static buffers, and the next call of that shape outside it (no_grad, training) raised "Inplace update
+    to inference tensor outside InferenceMode" (both cells; the switch is off by default)."""
+    import importlib
+
+    module = importlib.import_module(f"tandem.ops.{cell}.triton")
+    monkeypatch.setattr(module, "TIME_LOOP", "per-step")
+    monkeypatch.setattr(module, "CUDA_GRAPHS", True)
+    monkeypatch.setattr(module, "STEP_GRAPHS", module.StepGraphs())
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, cell.upper())(INPUT, 5, dtype=torch.float64)
+    ours = getattr(tandem.nn, cell.upper())(INPUT, 5, dtype=torch.float64).to(TRITON_DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 2, INPUT, dtype=torch.float64)
+    expected = ref(x)[0]
+    with torch.inference_mode():
+        first = ours(x.to(TRITON_DEVICE))[0]
+    with torch.no_grad():
+        second = ours(x.to(TRITON_DEVICE))[0]
+    third = ours(x.to(TRITON_DEVICE))[0]
+    third.sum().backward()
+    for out in (first, second, third):
+        torch.testing.assert_close(out.detach().cpu(), expected.detach(), rtol=1e-12, atol=1e-12)
+
+
+@needs_triton
 @pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphs"])
 def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(graphs, monkeypatch):
     """BWD_SPLIT's default, None: the split step where the loops are replayed as CUDA graphs (where it was

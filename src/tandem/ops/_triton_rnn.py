@@ -235,9 +235,11 @@ class StepGraphs:
     ) -> dict[str, Tensor]:
         entry = self._entries.pop(key, None)
         if entry is None:
-            static = {n: t.clone() for n, t in (reads | updates).items()}
-            static |= {n: torch.empty_like(t) for n, t in (writes | scratch).items()}
-            entry = (static, _record(lambda: loop(static), next(iter(static.values())).device))
+            # plain tensors even when first seen under inference_mode: later calls outside it copy into them
+            with torch.inference_mode(False):
+                static = {n: t.clone() for n, t in (reads | updates).items()}
+                static |= {n: torch.empty_like(t) for n, t in (writes | scratch).items()}
+                entry = (static, _record(lambda: loop(static), next(iter(static.values())).device))
             while len(self._entries) >= self.capacity:
                 self._entries.pop(next(iter(self._entries)))
         self._entries[key] = entry  # most recently used last
