@@ -372,6 +372,25 @@ def test_triton_kernel_recorded_loops_are_reused_with_new_data(proj: int, monkey
 
 
 @needs_triton
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
+def test_triton_kernel_infinite_initial_state_is_torchs(kernel):
+    """An inf in h0: torch's layer stays finite (the gates saturate). The persistent forward kept its
+    state's padding columns in the product, where inf * 0 left NaN that the next step spread to every
+    output."""
+    case = Case(bidirectional=True)  # H5: a block of 16 columns, 11 of them padding
+    torch.manual_seed(0)
+    ref, ours, x, hx = _make(case)
+    hx[0][0, 1, 2] = float("inf")
+    with torch.no_grad():
+        out, (h_n, c_n) = ref(x, hx)
+        got = ours.to(TRITON_DEVICE)(x.to(TRITON_DEVICE), tuple(t.to(TRITON_DEVICE) for t in hx))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(
+        (got[0].cpu(), got[1][0].cpu(), got[1][1].cpu()), (out, h_n, c_n), rtol=1e-12, atol=1e-12
+    )
+
+
+@needs_triton
 @pytest.mark.parametrize(
     ("module_dtype", "autocast_dtype"),
     [(torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)],

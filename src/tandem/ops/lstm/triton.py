@@ -428,7 +428,10 @@ def _lstm_fwd_persistent(
             tl.store(p_g + H, b_f.to(DTYPE), mask=m)
             tl.store(p_g + 2 * H, b_sg.to(DTYPE), mask=m)
             tl.store(p_g + 3 * H, b_o.to(DTYPE), mask=m)
-            b_cs, b_h = b_c.to(DTYPE), b_hn.to(DTYPE)
+            # the padding columns stay 0: an infinite state (inf * 0 in the product) would leave NaN there,
+            # which the next step's product spreads to every column (torch's layer stays finite)
+            b_cs = tl.where(m_j[None, :], b_c, 0.0).to(DTYPE)
+            b_h = tl.where(m_j[None, :], b_hn, 0.0).to(DTYPE)
             tl.store(p_cells + r_row[:, None] * H + o_j[None, :], b_cs, mask=m)
             tl.store(p_states + r_row[:, None] * H + o_j[None, :], b_h, mask=m)
 
