@@ -50,8 +50,11 @@ def lstm(
     """
     _check_args(x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
     tensors = (x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr)
-    # Without autograd (inference, torch.no_grad) nothing is saved and the activations live in scratch.
-    need_saved = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    # Without autograd (inference, torch.no_grad) nothing is saved and the activations live in scratch;
+    # a trace saves whatever the grad mode: need_saved is a constant in it, and torch.jit.trace's check
+    # re-runs without grad (a trace made under no_grad must still train)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    need_saved = needs_grad or torch.jit.is_tracing()
     y, h_n, c_n, *_ = torch.ops.tandem.lstm_fwd(
         x, batch_sizes, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, need_saved
     )
