@@ -274,11 +274,14 @@ def test_onednn_serves_exactly_where_torch_uses_it(case: str, monkeypatch):
     assert (onednn.count, own.count) == ((2, 0) if case == "dense" else (0, 2))
 
 
-@pytest.mark.parametrize("form", ["tensor", "three", "one", "list", "packed-three", "unbatched-three"])
+@pytest.mark.parametrize(
+    "form", ["tensor", "packed-tensor", "three", "one", "list", "packed-three", "unbatched-three"]
+)
 def test_malformed_hx_is_refused_or_taken_as_torch(form):
-    """hx must be a pair: torch's lstm op refuses a tensor (TypeError) and three states (RuntimeError), a
-    single state fails at hx[1]; packed and unbatched input make a pair of hx first, in torch's forward
-    as in tandem's, so a third state is dropped there without a word."""
+    """hx must be a pair: torch's lstm op refuses a tensor (TypeError, with packed input too, where tandem
+    raised its size check's RuntimeError) and three states (RuntimeError), a single state fails at hx[1];
+    packed and unbatched input make a pair of hx first, in torch's forward as in tandem's, so a third
+    state is dropped there without a word."""
     from torch.nn.utils.rnn import pack_sequence
 
     torch.manual_seed(0)
@@ -289,13 +292,14 @@ def test_malformed_hx_is_refused_or_taken_as_torch(form):
     x = torch.randn(5, 2, 3)
     hx = {
         "tensor": torch.randn(2, 1, 2, 4),
+        "packed-tensor": z,
         "three": (z, z, z),
         "one": (z,),
         "list": [z, z],
         "packed-three": (z, z, z),
         "unbatched-three": (z[:, 0], z[:, 0], z[:, 0]),
     }[form]
-    if form == "packed-three":
+    if form in ("packed-three", "packed-tensor"):
         x = pack_sequence([torch.randn(4, 3), torch.randn(2, 3)])
     elif form == "unbatched-three":
         x = x[:, 0]

@@ -17,6 +17,13 @@ from tandem.ops.lstm.reference import lstm_layer_autograd
 __all__ = ["LSTM"]
 
 
+# torch's lstm op's refusal of a Tensor for hx, in short
+_HX_TENSOR = (
+    "lstm() received an invalid combination of arguments - got a Tensor for hx, but expected a tuple of "
+    "Tensors (h_0, c_0)"
+)
+
+
 class LSTM(RNNLayers):
     r"""Multi-layer LSTM with ``torch.nn.LSTM``'s constructor, parameters, gate math and outputs.
 
@@ -128,8 +135,11 @@ class LSTM(RNNLayers):
             rows.data = rows.data.to(dtype)
         if hx is not None:
             if rows.packed:
-                # torch's LSTM checks no packed input before its op, which raises an IndexError for states
-                # without a batch dimension (and a RuntimeError for the input's dtype, below)
+                # torch's LSTM checks no packed input before its op, which refuses a Tensor for hx first, and
+                # raises an IndexError for states without a batch dimension (and a RuntimeError for the
+                # input's dtype, below)
+                if isinstance(hx, Tensor):
+                    raise TypeError(_HX_TENSOR)
                 if isinstance(hx, tuple) and len(hx) == 2 and (hx[0].dim() != 3 or hx[1].dim() != 3):
                     raise IndexError(
                         "Expected hidden[0] and hidden[1] of 3 dimensions (layers * directions, batch, size) "
@@ -164,10 +174,7 @@ class LSTM(RNNLayers):
         # what torch's lstm op refuses once the checks above passed (packed and unbatched input have made a
         # pair of hx by then, in torch's forward as here)
         if isinstance(hx, Tensor):
-            raise TypeError(
-                "lstm() received an invalid combination of arguments - got a Tensor for hx, but expected a "
-                "tuple of Tensors (h_0, c_0)"
-            )
+            raise TypeError(_HX_TENSOR)
         if len(hx) != 2:
             raise RuntimeError("lstm expects two hidden states")
         hx = (self._autocast_state(hx[0], dtype), _promoted_cx(rows.data, self._autocast_state(hx[1], dtype)))
