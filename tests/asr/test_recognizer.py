@@ -390,6 +390,34 @@ def test_long_silence_at_the_edges_is_cut_and_the_rest_transcribed_again(checkpo
     assert stub.calls[3] == int(FeatureConfig().frames(end - start))
 
 
+def test_a_long_silence_between_two_words_is_cut(checkpoint):
+    """Between two letters' output frames, the silence is cut to INNER_KEPT_MS after the first and before
+    the second (where that removes at least MIN_CUT_MS; training's gaps between words are 30-300 ms), in
+    the same pass as the edges; a short silence between words is left as it is."""
+    from tandem.asr import recognizer
+
+    assert recognizer.INNER_KEPT_MS == (200.0, 350.0)
+    rec = Recognizer.from_checkpoint(checkpoint)
+    stub = rec.model = _SaysLoud(rec.model.config)
+    g = torch.Generator().manual_seed(0)
+    quiet = lambda s: 1e-3 * torch.randn(round(s * 8000), generator=g)  # noqa: E731
+    loud = lambda: 0.3 * torch.randn(3200, generator=g)  # noqa: E731
+    audio = torch.cat([quiet(0.15), loud(), quiet(2.0), loud(), quiet(0.05)])  # edges too short to cut
+    assert rec.transcribe(audio, 8000) == "aa"
+    # the letters' output frames by hand, as in the edges' test: the hole between the two bursts
+    features, _ = LogMel()(audio[None], torch.tensor([len(audio)]))
+    frames = sorted({int(f) // 4 for f in (features[0].mean(-1) > 0.0).nonzero().flatten()})
+    a, b = next((x, y) for x, y in zip(frames, frames[1:]) if y - x > 1)
+    hole = (a + 1) * 320 + 200 - 80 + 350 * 8, b * 320 - 200 * 8
+    assert 4400 < hole[0] < hole[1] < 1200 + 3200 + 16000  # inside the 2 s between the bursts
+    assert stub.calls == [
+        int(FeatureConfig().frames(n)) for n in (len(audio), len(audio) - (hole[1] - hole[0]))
+    ]
+    stub.calls.clear()
+    near = torch.cat([quiet(0.15), loud(), quiet(0.3), loud(), quiet(0.05)])
+    assert rec.transcribe(near, 8000) == "aa" and len(stub.calls) == 1
+
+
 def test_a_recording_that_starts_on_its_first_word_is_padded_and_transcribed_again(checkpoint):
     """A first non-blank output frame within SPEECH_AT_START_MS of the start: PAD_MS of noise at
     PAD_LEVEL_DB below the recording's peak before and after it, one more pass; not with fit_edges=False."""

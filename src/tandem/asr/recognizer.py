@@ -43,12 +43,15 @@ Waveform = Tensor | np.ndarray
 #   last, and transcribed again; again while a cut removes at least MIN_CUT_MS, at most MAX_CUTS times.
 #   More after the last frame, because a word's characters come out before it ends (on the test
 #   utterances the first 14-39 ms after the word's start, the last 60-130 ms before its end, medians; up
-#   to 350 ms at the 95th percentile). 1 s: 4.2%, 3 s: 21.9%.
+#   to 350 ms at the 95th percentile). 1 s: 4.2%, 3 s: 21.9%. In the same cuts, a silence between two
+#   words (between two letters' output frames) is cut to INNER_KEPT_MS after the first and before the
+#   second where that removes at least MIN_CUT_MS, as training's gaps between words are 30-300 ms.
 # - where its first non-blank frame is less than SPEECH_AT_START_MS from its start (no silence before the
 #   first word), PAD_MS of Gaussian noise at PAD_LEVEL_DB below its peak is put before and after it, and it
 #   is transcribed again: 2.7% as they are; the generated test sets and the recordings with 100 ms or
 #   more of silence are unchanged (BENCHMARKS.md, train).
 EDGE_KEPT_MS = (250.0, 500.0)
+INNER_KEPT_MS = (200.0, 350.0)
 MIN_CUT_MS = 100.0
 MAX_CUTS = 3
 SPEECH_AT_START_MS = 60.0
@@ -290,11 +293,10 @@ class Recognizer:
             if not todo:
                 break
             for i in todo:
-                start, end = cuts[i]
-                audio[i] = audio[i][start:end]
+                audio[i] = torch.cat([audio[i][start:end] for start, end in cuts[i]])
             spans.update(self._pass(audio, todo, batch_size, texts))
         near = SPEECH_AT_START_MS * self.features.sample_rate / 1000
-        bare = [i for i, span in spans.items() if span is not None and span[0] * self._step < near]
+        bare = [i for i, span in spans.items() if span is not None and span.first * self._step < near]
         if bare:
             for i in bare:
                 audio[i] = _padded(audio[i], round(PAD_MS * self.features.sample_rate / 1000))
@@ -308,10 +310,11 @@ class Recognizer:
 
     def _pass(
         self, audio: list[Tensor], todo: list[int], batch_size: int, texts: list[str]
-    ) -> dict[int, tuple[int, int] | None]:
-        """Transcribe ``audio[i]`` for ``i`` in ``todo`` into ``texts[i]``; returns each one's first and
-        last non-blank output frame (None where all are blank)."""
-        spans: dict[int, tuple[int, int] | None] = {}
+    ) -> dict[int, _Spoken | None]:
+        """Transcribe ``audio[i]`` for ``i`` in ``todo`` into ``texts[i]``; returns where each one's output
+        characters are (None where all its output frames are blank)."""
+        spans: dict[int, _Spoken | None] = {}
+        space = self.alphabet.characters.find(" ") + 1  # 0 (the blank's id) where there is no space
         order = sorted(todo, key=lambda i: -len(audio[i]))
         for chosen in _batches(order, [len(a) for a in audio], batch_size):
             lengths = torch.tensor([len(audio[i]) for i in chosen])
@@ -320,26 +323,50 @@ class Recognizer:
             log_probs, out_frames = self.model(features, frames)  # [T', B, K], [B]
             for i, text in zip(chosen, greedy_decode(log_probs, out_frames, self.alphabet)):
                 texts[i] = text
-            spoken = (log_probs.argmax(-1) != 0).T.cpu()  # [B, T']: not the blank
+            best = log_probs.argmax(-1).T.cpu()  # [B, T']
             for b, i in enumerate(chosen):
-                at = spoken[b, : int(out_frames[b])].nonzero().flatten()
-                spans[i] = (int(at[0]), int(at[-1])) if len(at) else None
+                ids = best[b, : int(out_frames[b])]
+                at = (ids != 0).nonzero().flatten()
+                letters = ((ids != 0) & (ids != space)).nonzero().flatten().tolist()
+                spans[i] = _Spoken(int(at[0]), int(at[-1]), letters) if len(at) else None
         return spans
 
-    def _kept(self, samples: int, span: tuple[int, int] | None) -> tuple[int, int] | None:
-        """The samples ``[start, end)`` to keep of a recording of ``samples`` samples whose first and last
-        non-blank output frames are ``span``: :data:`EDGE_KEPT_MS` around them; None where that would
-        remove less than :data:`MIN_CUT_MS` (or nothing was said)."""
-        if span is None:
+    def _kept(self, samples: int, spoken: _Spoken | None) -> list[tuple[int, int]] | None:
+        """The pieces ``[start, end)`` to keep of a recording of ``samples`` samples whose output characters
+        are ``spoken``: :data:`EDGE_KEPT_MS` before its first and after its last, and of a silence between
+        two letters :data:`INNER_KEPT_MS` after the first and before the second, each cut only where it
+        removes at least :data:`MIN_CUT_MS` (the two edges together); None where nothing is cut (or
+        nothing was said)."""
+        if spoken is None:
             return None
         cfg, step = self.features, self._step
         before, after = (round(ms * cfg.sample_rate / 1000) for ms in EDGE_KEPT_MS)
-        start = max(0, span[0] * step - before)
-        # the last output frame's input frames end a window after the start of their last hop
-        end = min(samples, (span[1] + 1) * step + cfg.win_length - cfg.hop_length + after)
-        if samples - (end - start) < MIN_CUT_MS * cfg.sample_rate / 1000:
-            return None
-        return start, end
+        inner_before, inner_after = (round(ms * cfg.sample_rate / 1000) for ms in INNER_KEPT_MS)
+        least = MIN_CUT_MS * cfg.sample_rate / 1000
+        # an output frame's input frames end a window after the start of their last hop
+        tail = cfg.win_length - cfg.hop_length
+        start = max(0, spoken.first * step - before)
+        end = min(samples, (spoken.last + 1) * step + tail + after)
+        if samples - (end - start) < least:  # the edges as they are
+            start, end = 0, samples
+        pieces = []
+        for a, b in zip(spoken.letters, spoken.letters[1:]):
+            hole = ((a + 1) * step + tail + inner_after, b * step - inner_before)
+            if hole[1] - hole[0] >= least:  # a long silence between two words
+                pieces.append((start, hole[0]))
+                start = hole[1]
+        pieces.append((start, end))
+        return None if pieces == [(0, samples)] else pieces
+
+
+@dataclass(frozen=True)
+class _Spoken:
+    """Where a recording's output characters are: its first and last non-blank output frames, and the
+    frames of its letters (neither blank nor space), in order."""
+
+    first: int
+    last: int
+    letters: list[int]
 
 
 # A forward pass pads its recordings to the longest, so one long recording among short ones would make
