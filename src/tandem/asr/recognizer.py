@@ -91,9 +91,9 @@ class Recognizer:
         model: the acoustic model (put in eval mode; it stays on its device).
         features: the feature settings it was trained with (their ``sample_rate`` is the model's rate).
         alphabet: its output classes.
-        fit_edges: cut long silence before the first word and after the last, pad a recording with none
-            before its first word, and transcribe again (see :data:`EDGE_KEPT_MS`, :data:`PAD_MS`);
-            False: one pass over each recording as it is.
+        fit_edges: cut long silence before the first word, after the last and between two, pad a
+            recording with none before its first word, and transcribe again (see :data:`EDGE_KEPT_MS`,
+            :data:`INNER_KEPT_MS`, :data:`PAD_MS`); False: one pass over each recording as it is.
 
     Example::
 

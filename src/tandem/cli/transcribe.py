@@ -29,8 +29,9 @@ DESCRIPTION = (
     "Transcribe recordings (WAV, FLAC, OGG and what else the installed libsndfile reads, MP3 from its "
     "1.1; any rate up to 768 kHz, mono or multi-channel, integer or float samples; - for standard input, "
     "named pipes too) with a recognizer trained by `tandem train`: one line per file, path<TAB>text, in "
-    "argument order. A recording with long silence before its first word or after its last is cut to its "
-    "words, one that starts on its first word is padded with low noise, and each is transcribed again "
+    "argument order. A recording with long silence before its first word, after its last or between two "
+    "is cut to its words, one that starts on its first word is padded with low noise, and each is "
+    "transcribed again "
     "(--one-pass: not). Unreadable, empty or silent files are reported on stderr (exit status 1) while the "
     "others are transcribed; a --model that is not a recognizer checkpoint is exit status 2."
 )
@@ -65,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--one-pass",
         action="store_true",
         help="transcribe each recording as it is, in one pass (default: long silence before the first "
-        "word or after the last is cut, a recording that starts on its first word is padded, and each is "
-        "transcribed again)",
+        "word, after the last or between two is cut, a recording that starts on its first word is padded, "
+        "and each is transcribed again)",
     )
     parser.add_argument(
         "--json",
