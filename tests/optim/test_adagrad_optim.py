@@ -472,6 +472,52 @@ def test_a_gradient_of_another_dtype_steps_as_torchs_default():
     torch.testing.assert_close(q_got, q_want, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_a_model_converted_after_the_optimizer_was_made_steps_as_torchs(dtype):
+    """``opt = Adagrad(model.parameters()); model.double()``: the parameters are the same objects, their
+    float32 sums stay; torch trains on, promoting per tensor. tandem's fused step read the sums as the
+    parameters' dtype (a float64 one read past their end, a crash on the Triton path; garbage sums with
+    float16) or refused them (torch's fused CPU kernel): such parameters now take torch's per-tensor math."""
+
+    def run(cls):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = cls(model.parameters(), lr=0.1, lr_decay=0.01, weight_decay=0.01)
+        model.to(dtype)
+        x = torch.randn(8, 4, dtype=dtype)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).float().square().sum().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], [
+            opt.state[p]["sum"] for p in model.parameters()
+        ]
+
+    (p_want, s_want), (p_got, s_got) = run(torch.optim.Adagrad), run(Adagrad)
+    assert all(s.dtype == torch.float32 for s in s_got)
+    for got, want in zip(p_got + s_got, p_want + s_want):
+        assert torch.equal(got, want)
+
+
+def test_a_model_moved_after_the_optimizer_was_made_is_refused_before_any_change():
+    """``opt = Adagrad(model.parameters()); model.cuda()``: the sums stay behind. torch's per-tensor ops
+    refuse it (a RuntimeError) after updating the parameters before it; tandem's kernels would read the
+    sums through the wrong device's addresses. A RuntimeError that says so, nothing changed."""
+    model = torch.nn.Linear(3, 2)
+    opt = Adagrad(model.parameters(), lr=0.1)
+    weight, bias = model.parameters()
+    # a parameter and its state on two devices, as model.cuda() leaves them: a CPU tensor's .data takes
+    # no other device here, so the bias's state goes to "meta" instead
+    opt.state[bias]["sum"] = opt.state[bias]["sum"].to("meta")
+    weight.grad, bias.grad = torch.ones_like(weight), torch.ones_like(bias)
+    before = weight.detach().clone(), bias.detach().clone(), opt.state[weight]["step"].clone()
+    message = r"^Adagrad: the state of parameter 1 is on meta .* on cpu: was the model moved"
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    assert torch.equal(weight, before[0]) and torch.equal(bias, before[1])
+    assert torch.equal(opt.state[weight]["step"], before[2])
+
+
 def test_a_state_without_step_is_torchs_key_error_before_any_change():
     p = torch.nn.Parameter(torch.randn(4))
     sd = copy.deepcopy(Adagrad([p]).state_dict())

@@ -134,10 +134,20 @@ def adagrad_unchecked(
 
     # Group before touching anything. Tensor subclasses (DTensor, ...) take the per-tensor PyTorch path:
     # the kernels address plain storage. So does a gradient of another dtype, device or shape than its
-    # parameter's (set through ``.data``): torch's per-tensor ops promote or broadcast it, or refuse it.
+    # parameter's (set through ``.data``): torch's per-tensor ops promote or broadcast it, or refuse it;
+    # and a state of another dtype (the model converted, ``model.double()``, after the optimizer was made:
+    # torch trains on, the kernels would read the state as the parameter's dtype).
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
     plain: list[int] = []
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
+        if s.device != p.device or t.device != step_device(p.device):
+            # the model moved (``model.cuda()``) after the optimizer was made: torch's ops refuse it after
+            # changing the parameters before it; here nothing has changed yet
+            raise RuntimeError(
+                f"Adagrad: the state of parameter {i} is on {s.device} (its step count on {t.device}), the "
+                f"parameter on {p.device}: was the model moved after the optimizer was made? Make the "
+                "optimizer after moving the model"
+            )
         if (
             differentiable
             or g.is_sparse
@@ -145,6 +155,7 @@ def adagrad_unchecked(
             or g.dtype != p.dtype
             or g.device != p.device
             or g.shape != p.shape
+            or s.dtype != p.dtype
         ):
             plain.append(i)
             continue
