@@ -369,6 +369,53 @@ def test_triton_kernel_module_step_matches_reference_path():
     torch.testing.assert_close(bn.weight.grad, ref.weight.grad)
 
 
+@needs_triton
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("case", ["inf-first-frame", "spread-overflows-float32"])
+def test_triton_kernel_extreme_frames_give_torchs_statistics(case):
+    """An inf in the first tile of a program: torch's running mean is inf; the statistics kernel's merge
+    (mean += (mean_t - inf) * w) made it NaN when a later tile followed. A channel whose spread overflows
+    float32's squares: torch's running variance is inf and the output the bias; the kernel's first merge
+    (delta^2 * 0 frames) made both NaN."""
+    import tandem
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5)
+    if case == "inf-first-frame":
+        x[0, 0, 0] = float("inf")
+    else:
+        x[0, 0, 0], x[1, 0, 0] = 1e20, -1e20
+    x = x.to(TRITON_DEVICE)
+    mask = torch.ones(4, 5, dtype=torch.bool, device=TRITON_DEVICE)
+    ours, ref = tandem.nn.SyncBatchNorm(3).to(TRITON_DEVICE), torch.nn.BatchNorm1d(3).to(TRITON_DEVICE)
+    y, expected = ours(x, mask=mask), ref(x)
+    if case == "inf-first-frame":
+        torch.testing.assert_close(ours.running_mean, ref.running_mean)
+    else:  # (the mean of +-1e20 and small numbers is float32's rounding on either side)
+        torch.testing.assert_close(ours.running_var, ref.running_var)
+        torch.testing.assert_close(y, expected)
+
+
+def test_one_frame_where_the_count_stays_on_the_device_leaves_the_running_variance(monkeypatch):
+    """One real frame in all is torch's ValueError, raised where the frame count is on the host (CPU
+    tensors); on CUDA it is not read (a sync per layer), and the running variance became 0 / 0 = NaN. It
+    now stays as it was. The CUDA branch is taken here by a statistics tensor that says it is on CUDA."""
+    import tandem
+    import tandem.ops.syncbn as syncbn
+
+    class LooksCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    pack = syncbn.syncbn_pack_ref
+    monkeypatch.setattr(syncbn, "syncbn_pack_ref", lambda *a: pack(*a).as_subclass(LooksCuda))
+    bn = tandem.nn.SyncBatchNorm(3)
+    mask = torch.tensor([[True, False, False, False], [False] * 4])
+    bn(torch.randn(2, 3, 4), mask=mask)
+    assert torch.equal(bn.running_var, torch.ones(3)) and torch.isfinite(bn.running_mean).all()
+
+
 # ------------------------------------------------------------------------------------------------
 # the GPU build
 

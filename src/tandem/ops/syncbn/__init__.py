@@ -277,7 +277,9 @@ class _SyncBatchNorm(torch.autograd.Function):
             if running_mean is not None and running_var is not None:
                 with torch.no_grad():
                     _update(running_mean, mean, momentum, count)
-                    _update(running_var, m2 / (count - 1), momentum, count)  # unbiased
+                    # unbiased; one frame in all is torch's error, checked above where the count is on the
+                    # host: on CUDA the variance stays as it was rather than become 0 / 0
+                    _update(running_var, m2 / (count - 1), momentum, count, least=2)
             invstd = torch.rsqrt(var + eps).to(acc)
             count = count.to(acc)
         else:
@@ -424,8 +426,8 @@ def _poll(done: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
-def _update(running: Tensor, batch: Tensor, momentum: float, count: Tensor) -> None:
+def _update(running: Tensor, batch: Tensor, momentum: float, count: Tensor, least: int = 1) -> None:
     """``running = (1 - momentum) * running + momentum * batch``, formed in float64 and rounded once;
-    unchanged where no frame counted (``count`` 0), without reading the count on the host."""
+    unchanged where fewer than ``least`` frames counted, without reading the count on the host."""
     updated = running.to(torch.float64) * (1.0 - momentum) + batch * momentum
-    running.copy_(torch.where(count > 0, updated, running.to(torch.float64)))
+    running.copy_(torch.where(count >= least, updated, running.to(torch.float64)))

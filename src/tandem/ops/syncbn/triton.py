@@ -8,14 +8,14 @@ programs then see one long run of frames. The work is tiles of ``[BLOCK_S frames
 grid axis 0 takes a block of channels, axis 1 a contiguous range of tiles. The frame mask ``[N, S]`` is
 one byte per frame, read once per tile and shared by all its channels.
 
-The statistics kernel works on ``x - pivot`` (the first real frame of each channel, so the numbers are
-small and their mean keeps float32's precision relative to the spread) and merges tile after tile with
-Chan's update (tile mean and centred M2 from the registers, then ``mean += delta * n_t / n``,
-``M2 += M2_t + delta^2 * n * n_t / n``): x is read once and nothing cancels at large means, whatever the
-pivot. The per-program partials ``[P, C]`` are merged the same way by :func:`merge_stats_ref`, and the
-float64 mean is ``pivot + merged mean``. The elementwise kernels take per-channel vectors prepared on
-the host (``hi``, ``scale``, ``shift``...; the float64 mean enters as ``hi`` plus a ``lo`` folded into
-the shift), so each is one FMA-like expression per element.
+The statistics kernel works on ``x - pivot`` (the first real frame of each channel, so the numbers are small
+and their mean keeps float32's precision relative to the spread) and merges tile after tile with Chan's update
+(tile mean and centred M2 from the registers, then ``mean = (mean * n + mean_t * n_t) / (n + n_t)``, ``M2 +=
+M2_t + delta^2 * n * n_t / (n + n_t)``): x is read once and nothing cancels at large means, whatever the
+pivot. The per-program partials ``[P, C]`` are merged the same way by :func:`merge_stats_ref`, and the float64
+mean is ``pivot + merged mean``. The elementwise kernels take per-channel vectors prepared on the host
+(``hi``, ``scale``, ``shift``...; the float64 mean enters as ``hi`` plus a ``lo`` folded into the shift), so
+each is one FMA-like expression per element.
 """
 
 from __future__ import annotations
@@ -86,8 +86,11 @@ def _syncbn_stats_kernel(
         n_new = b_n + t_n
         w = t_n / tl.maximum(n_new, 1.0)
         delta = t_mean - b_mean
-        b_mean += delta * w
-        b_m2 += t_m2 + delta * delta * b_n * w
+        # the mean as a weighted average, not b_mean + delta * w: an infinite frame keeps the mean infinite
+        # (inf - inf is NaN), as torch's; no cross term while nothing is merged (inf * 0 would be NaN for a
+        # tile whose spread overflows)
+        b_mean = b_mean * (1.0 - w) + t_mean * w
+        b_m2 += t_m2 + tl.where(b_n > 0, delta * delta * b_n * w, 0.0)
         b_n = n_new
     tl.store(p_mean + i_p * C + o_c, b_mean, mask=m_c)
     tl.store(p_m2 + i_p * C + o_c, b_m2, mask=m_c)
