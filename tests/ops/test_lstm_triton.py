@@ -391,30 +391,6 @@ def test_triton_kernel_infinite_initial_state_is_torchs(kernel):
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    ("module_dtype", "autocast_dtype"),
-    [(torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)],
-    ids=["fp32-in-bf16", "fp16-in-bf16", "bf16-in-fp16"],
-)
-def test_triton_kernel_layer_stack_under_autocast_is_the_float16_stack(module_dtype, autocast_dtype):
-    """Two bidirectional layers, and modules in one half precision under the other's autocast: the layers'
-    states were concatenated and the directions' parameters stacked under autocast, whose promotion
-    refuses float16 beside bfloat16 (a RuntimeError); now the whole forward runs as the float16 copy's,
-    an empty batch (the formulas' path) in float16 too."""
-    torch.manual_seed(0)
-    ours = tandem.nn.LSTM(INPUT, 6, num_layers=2, bidirectional=True, dtype=module_dtype).to(TRITON_DEVICE)
-    half = copy.deepcopy(ours).half()
-    x = torch.randn(4, 3, INPUT, device=TRITON_DEVICE, dtype=module_dtype)
-    with torch.autocast(TRITON_DEVICE, dtype=autocast_dtype):
-        out, (h_n, c_n) = ours(x)
-        empty, _ = ours(x[:, :0])
-    assert empty.dtype == torch.float16 and empty.shape == (4, 0, 12)
-    expected, (h_expected, c_expected) = half(x.half())
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    torch.testing.assert_close((h_n, c_n), (h_expected, c_expected), rtol=0, atol=0)
-
-
-@needs_triton
 @pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphs"])
 def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(graphs, monkeypatch):
     """BWD_SPLIT's default, None: the split step where the loops are replayed as CUDA graphs (where it was
