@@ -188,10 +188,11 @@ class DataSets:
         return {"train": self.train.fingerprint(), "test": self.test.fingerprint()}
 
 
-def data_mismatch(data: DataSets, state: dict[str, Any]) -> str | None:
-    """Why a run on ``data`` cannot continue from the checkpoint ``state``: a manifest whose recordings
-    changed since (a line added, removed, moved or edited, a recording of another length), or None."""
-    ours, theirs = data.fingerprints(), state.get("data_fingerprints")
+def data_mismatch(ours: dict[str, str] | None, state: dict[str, Any]) -> str | None:
+    """Why a run on data of :meth:`DataSets.fingerprints` ``ours`` cannot continue from the checkpoint
+    ``state``: a manifest whose recordings changed since (a line added, removed, moved or edited, a
+    recording of another length), or None."""
+    theirs = state.get("data_fingerprints")
     if ours is None or theirs is None:  # the bundled digits, or a checkpoint written before the check
         return None
     changed = [f"--{k}-manifest" for k in ("train", "test") if ours[k] != theirs.get(k)]
@@ -280,7 +281,8 @@ class Run:
         self.config, self.group = config, group
         self.device = group.device
         self.alphabet = Alphabet(config.alphabet)
-        self.data, self.train_set, self.test_set = data, data.train, data.test
+        self.train_set, self.test_set = data.train, data.test
+        self.fingerprints = data.fingerprints()  # once: each checkpoint holds them
         self.test_plan = sorted(
             self.test_set.plan(TEST_SEED, passes=data.test_passes), key=lambda u: u.length
         )
@@ -328,12 +330,18 @@ class Run:
             "history": self.history,
             "train_seconds": self.seconds_before,
             "rng": _rng_state(),
-            "data_fingerprints": self.data.fingerprints(),
+            "data_fingerprints": self.fingerprints,
         }
 
+    def mismatch(self, state: dict[str, Any]) -> str | None:
+        """Why this run cannot continue from the checkpoint ``state`` (:func:`resume_mismatch`, then
+        :func:`data_mismatch`), or None."""
+        problem = resume_mismatch(self.config, self.group.world, state)
+        return problem or data_mismatch(self.fingerprints, state)
+
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's ``state`` (checked with :func:`resume_mismatch` first)."""
-        problem = resume_mismatch(self.config, self.group.world, state) or data_mismatch(self.data, state)
+        """Continue from a checkpoint's ``state`` (checked with :meth:`mismatch` first)."""
+        problem = self.mismatch(state)
         if problem:
             raise CheckpointError(problem)
         self.model.load_state_dict(state["model"])
@@ -630,7 +638,7 @@ def _starting_state(
             if state is None and resume and not restarted:
                 decision = (None, f"--resume: no readable checkpoint in {store.folder}")
             elif state is not None:
-                mismatch = resume_mismatch(run.config, group.world, state) or data_mismatch(run.data, state)
+                mismatch = run.mismatch(state)
                 if skipped and mismatch is None:
                     print(
                         f"tandem train: continuing from the previous complete checkpoint, {path}", flush=True
