@@ -74,18 +74,13 @@ def ctc_frames_needed(labels: Tensor) -> int:
     return len(labels) + repeats
 
 
-def _samples_at(path: Path, rate: int) -> int | str:
-    """The recording's length at ``rate`` Hz, from its header (soundfile.info: nothing is decoded), or
-    what is wrong with its rate (as :func:`~tandem.asr.audio.to_model_input` would refuse it)."""
+def _header(path: Path) -> tuple[int, int]:
+    """The recording's length in samples and its sample rate, from its header (soundfile.info: nothing
+    is decoded)."""
     import soundfile
 
     info = soundfile.info(str(path))
-    if not MIN_SAMPLE_RATE <= info.samplerate <= MAX_SAMPLE_RATE:
-        return (
-            f"audio file {path}: sample rate {info.samplerate} Hz is outside the rates taken, "
-            f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz (a broken header?)"
-        )
-    return math.ceil(info.frames * rate / info.samplerate)
+    return info.frames, info.samplerate
 
 
 def read_manifest(
@@ -169,12 +164,16 @@ def check_entry(
             f"it holds {held})"
         )
     try:
-        samples = _samples_at(audio, features.sample_rate)
+        length, rate = _header(audio)
     except Exception as e:  # soundfile's errors are RuntimeErrors (LibsndfileError) and others
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"audio file {audio}: not a readable recording ({reason})"
-    if isinstance(samples, str):
-        return samples
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:  # as to_model_input would refuse it
+        return (
+            f"audio file {audio}: sample rate {rate} Hz is outside the rates taken, "
+            f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz (a broken header?)"
+        )
+    samples = math.ceil(length * features.sample_rate / rate)  # at the model's rate
     frames = int(model.output_frames(features.frames(samples)))
     needed = ctc_frames_needed(alphabet.encode(text))
     if frames < needed:
