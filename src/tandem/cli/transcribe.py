@@ -31,9 +31,9 @@ DESCRIPTION = (
     "named pipes too) with a recognizer trained by `tandem train`: one line per file, path<TAB>text, in "
     "argument order. A recording with long silence before its first word, after its last or between two "
     "is cut to its words, one that starts on its first word is padded with low noise, and each is "
-    "transcribed again "
-    "(--one-pass: not). Unreadable, empty or silent files are reported on stderr (exit status 1) while the "
-    "others are transcribed; a --model that is not a recognizer checkpoint is exit status 2."
+    "transcribed again (--one-pass: not). Unreadable, empty or silent files are reported on stderr (exit "
+    "status 1) while the others are transcribed; a --model that is not a recognizer checkpoint is exit "
+    "status 2."
 )
 
 PROG = "tandem transcribe"
