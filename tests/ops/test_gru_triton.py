@@ -408,17 +408,25 @@ def test_triton_kernel_graphs_first_recorded_under_inference_mode_replay_outside
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    ("cell", "fused", "split"),
+    [("gru", "_gru_bwd_step", "_gru_bwd_gates"), ("lstm", "_lstm_bwd_kernel", "_lstm_bwd_gates")],
+    ids=["gru", "lstm"],
+)
 @pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphs"])
-def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(graphs, monkeypatch):
+def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(
+    cell, fused, split, graphs, monkeypatch
+):
     """BWD_SPLIT's default, None: the split step where the loops are replayed as CUDA graphs (where it was
-    timed faster on an H100), the fused kernel elsewhere."""
-    from tandem.ops.gru import triton as gru_triton
+    timed faster on an H100), the fused kernel elsewhere. Both cells."""
+    import importlib
 
-    assert gru_triton.BWD_SPLIT is None
-    layer = tandem.nn.GRU(INPUT, 20, bidirectional=True).to(TRITON_DEVICE)
-    launches = backward_launches(gru_triton, layer, ["_gru_bwd_step", "_gru_bwd_gates"], graphs, monkeypatch)
-    assert (launches["_gru_bwd_gates"] > 0) is graphs
-    assert (launches["_gru_bwd_step"] > 0) is not graphs
+    module = importlib.import_module(f"tandem.ops.{cell}.triton")
+    assert module.BWD_SPLIT is None
+    layer = getattr(tandem.nn, cell.upper())(INPUT, 20, bidirectional=True).to(TRITON_DEVICE)
+    launches = backward_launches(module, layer, [fused, split], graphs, monkeypatch)
+    assert (launches[split] > 0) is graphs
+    assert (launches[fused] > 0) is not graphs
 
 
 @pytest.mark.parametrize("op", ["gru_fwd", "gru_bwd"])

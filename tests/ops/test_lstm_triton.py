@@ -26,7 +26,6 @@ from triton_support import (
     TRITON_VERSION,
     LaunchCounter,
     assert_builds_once,
-    backward_launches,
     compile_sm90,
     local_memory_bytes,
     needs_triton,
@@ -388,21 +387,6 @@ def test_triton_kernel_infinite_initial_state_is_torchs(kernel):
     torch.testing.assert_close(
         (got[0].cpu(), got[1][0].cpu(), got[1][1].cpu()), (out, h_n, c_n), rtol=1e-12, atol=1e-12
     )
-
-
-@needs_triton
-@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphs"])
-def test_triton_kernel_splits_the_backward_step_by_default_where_graphs_replay(graphs, monkeypatch):
-    """BWD_SPLIT's default, None: the split step where the loops are replayed as CUDA graphs (where it was
-    timed faster on an H100), the fused kernel elsewhere."""
-    from tandem.ops.lstm import triton as lstm_triton
-
-    assert lstm_triton.BWD_SPLIT is None
-    layer = tandem.nn.LSTM(INPUT, 20, bidirectional=True).to(TRITON_DEVICE)
-    kernels = ["_lstm_bwd_kernel", "_lstm_bwd_gates"]
-    launches = backward_launches(lstm_triton, layer, kernels, graphs, monkeypatch)
-    assert (launches["_lstm_bwd_gates"] > 0) is graphs
-    assert (launches["_lstm_bwd_kernel"] > 0) is not graphs
 
 
 @pytest.mark.parametrize("op", ["lstm_fwd", "lstm_bwd"])
