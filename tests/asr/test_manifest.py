@@ -41,9 +41,11 @@ def manifests(tmp_path_factory) -> tuple[Path, Path]:
         lines = []
         for k, u in enumerate(digits.plan(1)[:count]):
             wav = folder / "audio" / f"{name}{k}.wav"
-            _write_wav(wav, digits.render(u))
+            audio = digits.render(u)
+            _write_wav(wav, audio)
             where = str(wav) if k == 0 else f"audio/{wav.name}"
-            lines.append(json.dumps({"audio_filepath": where, "text": u.transcript.upper(), "duration": 1.0}))
+            line = {"audio_filepath": where, "text": u.transcript.upper(), "duration": len(audio) / 8000}
+            lines.append(json.dumps(line))
         paths.append(folder / f"{name}.jsonl")
         paths[-1].write_text("\n".join(lines) + "\n")
     return paths[0], paths[1]
@@ -83,6 +85,7 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
     truncated = tmp_path / "cut.wav"  # a copy cut short: libsndfile would read its first half quietly
     truncated.write_bytes(good_wav.read_bytes()[: len(good_wav.read_bytes()) // 2])
     ok = {"audio_filepath": str(good_wav), "text": "two"}
+    seconds = soundfile.info(str(good_wav)).duration
     return {
         "truncated": (
             [ok, {"audio_filepath": str(truncated), "text": "two"}],
@@ -102,6 +105,28 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
             ":2: audio file " + str(short) + " is too short for its transcript",
         ),
         "not-an-object": ([ok, "[1, 2]"], ":2: expected a JSON object, got list"),
+        "directory": ([ok, {"audio_filepath": str(tmp_path), "text": "two"}], f"{tmp_path}: a directory"),
+        "negative-duration": (
+            [ok, {"audio_filepath": str(good_wav), "text": "two", "duration": -5}],
+            ":2: expected 'duration' to be a number of seconds, above 0, got -5",
+        ),
+        "text-duration": (
+            [ok, {"audio_filepath": str(good_wav), "text": "two", "duration": "n/a"}],
+            ":2: expected 'duration' to be a number of seconds, above 0, got 'n/a'",
+        ),
+        "nan-offset": (
+            [ok, f'{{"audio_filepath": "{good_wav}", "text": "two", "offset": NaN}}'],
+            ":2: expected 'offset' to be a number of seconds, 0 or more, got nan",
+        ),
+        "offset-past-the-end": (
+            [ok, {"audio_filepath": str(good_wav), "text": "two", "offset": seconds}],
+            f":2: 'offset' {seconds} s is at or past the end of audio file {good_wav}",
+        ),
+        "duration-past-the-end": (
+            [ok, {"audio_filepath": str(good_wav), "text": "two", "offset": 0.5, "duration": seconds}],
+            f":2: 'offset' + 'duration' = {0.5 + seconds:.3f} s reaches past the end of audio file "
+            f"{good_wav}",
+        ),
         "rate": (
             [ok, {"audio_filepath": str(slow), "text": "two"}],
             f":2: audio file {slow}: sample rate 1 Hz is outside the rates taken, 1000-768000 Hz",
@@ -115,6 +140,63 @@ def test_every_kind_of_problem_is_named_with_its_line(manifests, tmp_path):
         with pytest.raises(ManifestError) as error:
             read_manifest(_manifest(tmp_path, lines), ENGLISH, FeatureConfig(), ModelConfig())
         assert message in str(error.value) and "1 problem(s)" in str(error.value), name
+
+
+def test_offset_and_duration_cut_segments_out_of_a_recording_as_nemo_reads_them(manifests, tmp_path):
+    """NeMo reads ``duration`` seconds from ``offset`` (0 if absent), or to the end without a duration:
+    each line trains on its own segment (the whole file was read for every line, without a word)."""
+    from tandem.asr.audio import to_model_input
+    from tandem.asr.manifest import ManifestSet
+
+    rate = 16000
+    long = tmp_path / "long.wav"
+    samples = torch.randn(3 * rate, generator=torch.Generator().manual_seed(0)) * 0.1
+    soundfile.write(str(long), samples.numpy(), rate, subtype="FLOAT")
+    lines = [
+        {"audio_filepath": "long.wav", "text": "two", "offset": 0.5, "duration": 1.25},
+        {"audio_filepath": "long.wav", "text": "two", "offset": 2},
+        {"audio_filepath": "long.wav", "text": "two", "duration": 1},
+        {"audio_filepath": "long.wav", "text": "two", "duration": 3.05},  # within the slack: all of it
+        {"audio_filepath": "long.wav", "text": "two", "offset": 0, "duration": 3, "speaker": "x"},
+        {"audio_filepath": "long.wav", "text": "two"},
+    ]
+    entries = read_manifest(_manifest(tmp_path, lines), ENGLISH, FeatureConfig(), ModelConfig())
+    parts = [(8000, 28000), (32000, 48000), (0, 16000), (0, 48000), (0, 48000), (0, 48000)]
+    assert [(e.start, e.frames) for e in entries] == [(8000, 20000), (32000, -1), (0, 16000)] + [(0, -1)] * 3
+    data = ManifestSet(entries, 8000)
+    plan = {u.index: u for u in data.plan(0)}
+    for i, (a, b) in enumerate(parts):
+        expected = to_model_input(samples[a:b], rate, 8000)
+        audio = data.render(plan[i])
+        assert torch.equal(audio, expected) and entries[i].samples == len(audio) == plan[i].length, i
+    # a manifest without offsets or durations keeps the fingerprint it had before they were read
+    whole = ManifestSet(entries[3:], 8000)
+    import hashlib
+
+    listed = [[str(e.path), e.text, e.samples] for e in entries[3:]]
+    assert whole.fingerprint() == hashlib.sha256(json.dumps(listed).encode()).hexdigest()
+    assert len({ManifestSet([e], 8000).fingerprint() for e in entries[:3]}) == 3
+
+
+def test_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(manifests, tmp_path):
+    """JSON text may hold U+2028, U+0085 and other characters str.splitlines() cuts at (json.dumps with
+    ensure_ascii=False writes them as they are); Windows tools write a BOM and CRLF."""
+    good = next((manifests[0].parent / "audio").glob("*.wav"))
+    note = "a\u2028b\x85c\x0cd"
+    lines = [
+        json.dumps({"audio_filepath": str(good), "text": "two", "note": note}, ensure_ascii=False),
+        json.dumps({"audio_filepath": str(good), "text": "one"}),
+        json.dumps({"audio_filepath": "gone.wav", "text": "one"}),
+    ]
+    path = tmp_path / "m.jsonl"
+    path.write_bytes("\ufeff".encode() + "\r\n".join(lines).encode() + b"\r\n")
+    with pytest.raises(ManifestError) as error:
+        read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
+    message = str(error.value)
+    assert "1 problem(s)" in message and f"{path}:3: audio file" in message, message
+    path.write_bytes("\ufeff".encode() + "\r\n".join(lines[:2]).encode())
+    entries = read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
+    assert [(e.text, e.line) for e in entries] == [("two", 1), ("one", 2)]
 
 
 def test_all_problems_are_listed_at_once_up_to_a_limit(tmp_path):

@@ -72,7 +72,12 @@ def source_name(source: AudioSource) -> str:
 
 
 def read_audio(
-    source: AudioSource, *, name: str | None = None, silent_ok: bool = False
+    source: AudioSource,
+    *,
+    name: str | None = None,
+    silent_ok: bool = False,
+    start: int = 0,
+    frames: int = -1,
 ) -> tuple[Tensor, int]:
     """Read a recording: its samples and its sample rate.
 
@@ -84,6 +89,8 @@ def read_audio(
         source: a path, or a binary file object (read to its end, so a pipe such as standard input works).
         name: what error messages call the recording (default: the path, or the file object's ``name``).
         silent_ok: return a silent recording instead of raising.
+        start, frames: read ``frames`` samples (each channel's) from sample ``start``, or (-1) to the
+            end, as ``soundfile.read`` takes them (a segment of a long recording).
 
     Returns:
         waveform ``[channels, samples]`` float32, and the sample rate in Hz.
@@ -112,9 +119,10 @@ def read_audio(
             with open(path, "rb") as f:
                 if path.is_file():
                     _check_wav_complete(f, label)
-                samples, rate = _decode(f if path.is_file() else _complete(_whole(f, label), label), label)
+                whole = f if path.is_file() else _complete(_whole(f, label), label)
+                samples, rate = _decode(whole, label, start, frames)
         else:
-            samples, rate = _decode(_complete(_whole(source, label), label), label)
+            samples, rate = _decode(_complete(_whole(source, label), label), label, start, frames)
     except OSError as e:
         raise AudioError(f"{label}: cannot read ({e.strerror or e})") from None
     waveform = torch.from_numpy(np.ascontiguousarray(samples.T))  # [channels, samples]
@@ -176,12 +184,13 @@ def _check_wav_complete(f: BinaryIO, label: str) -> None:
         )
 
 
-def _decode(f: BinaryIO, label: str) -> tuple[np.ndarray, int]:
-    """``[samples, channels]`` float32 and the rate, by libsndfile; :class:`AudioError` if it cannot."""
+def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[np.ndarray, int]:
+    """``[samples, channels]`` float32 (``frames`` of them from ``start``, or to the end) and the rate, by
+    libsndfile; :class:`AudioError` if it cannot."""
     import soundfile  # a runtime dependency, imported here so training never loads libsndfile
 
     try:
-        return soundfile.read(f, dtype="float32", always_2d=True)
+        return soundfile.read(f, frames=frames, start=start, dtype="float32", always_2d=True)
     except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
         reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None

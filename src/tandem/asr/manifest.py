@@ -1,14 +1,19 @@
 """Training on your own recordings: JSON-lines manifests in NVIDIA NeMo's convention, checked before a run.
 
-One line per recording: ``{"audio_filepath": "a.wav", "text": "hello there", "duration": 1.7}``
-(``duration`` in seconds is optional; a relative path is relative to the manifest's folder). Text is
-lower-cased and its whitespace collapsed, as the alphabet normalises it.
+One line per recording: ``{"audio_filepath": "a.wav", "text": "hello there", "duration": 1.7}``; a
+relative path is relative to the manifest's folder. As NeMo reads them, the optional ``offset`` and
+``duration`` (seconds) pick the part of the file the text belongs to: ``duration`` seconds from
+``offset`` (default 0), or the rest of the file without ``duration``, so several lines can cut segments
+out of one long recording. Text is lower-cased and its whitespace collapsed, as the alphabet normalises
+it. Lines end at ``\n`` only (JSON text may hold U+2028 and the like), and a UTF-8 byte-order mark is
+skipped.
 
 :func:`read_manifest` checks every line before training starts and raises one :class:`ManifestError`
 that lists the problems (up to a limit), each with the manifest, the line and what is wrong: invalid
 JSON, a missing key, empty text, characters outside the alphabet, a missing or unreadable file, a WAV
-cut short, a sample rate outside 1 kHz-768 kHz, or audio too short for its transcript under CTC (fewer
-output frames than the labels need). It reads each file's header, not its samples: a silent recording is
+cut short, a sample rate outside 1 kHz-768 kHz, an ``offset`` or ``duration`` that is no number of
+seconds or reaches past the file's end, or audio too short for its transcript under CTC (fewer output
+frames than the labels need). It reads each file's header, not its samples: a silent recording is
 found when training reads it, and trained on as it is with a warning (:meth:`ManifestSet.render`).
 """
 
@@ -50,6 +55,9 @@ __all__ = [
 ]
 
 MAX_PROBLEMS = 20
+# How far past a recording's end ``offset + duration`` may reach (durations written to a few decimals,
+# or of the file before it was converted); beyond it the line does not describe its file.
+DURATION_SLACK_S = 0.1
 
 
 class ManifestError(ValueError):
@@ -58,13 +66,16 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class Entry:
-    """A checked manifest line: the recording, its transcript (normalised) and its length in samples at
-    the model's rate."""
+    """A checked manifest line: the recording, its transcript (normalised), its length in samples at
+    the model's rate, and the part of the file it is: ``frames`` samples (at the file's rate) from
+    sample ``start``, or (-1) to the file's end."""
 
     path: Path
     text: str
     samples: int
     line: int
+    start: int = 0
+    frames: int = -1
 
 
 def ctc_frames_needed(labels: Tensor) -> int:
@@ -98,7 +109,9 @@ def read_manifest(
     """
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # "\n" ends a line (read_text makes "\r\n" one); str.splitlines would also cut at U+2028, U+0085
+        # and others, which JSON strings may hold as they are
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except FileNotFoundError:
         raise ManifestError(f"{what} {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -153,8 +166,14 @@ def check_entry(
         return f"characters {chars!r} are not in the alphabet {alphabet.characters!r} (--alphabet adds them)"
     audio = Path(item["audio_filepath"])
     audio = audio if audio.is_absolute() else manifest.parent / audio
+    if audio.is_dir():
+        return f"audio file {audio}: a directory, not a file"
     if not audio.is_file():
         return f"audio file {audio}: no such file"
+    offset, duration = (_seconds(item, key) for key in ("offset", "duration"))
+    for key, value, least in (("offset", offset, "0 or more"), ("duration", duration, "above 0")):
+        if isinstance(value, str):
+            return f"expected {key!r} to be a number of seconds, {least}, got {value}"
     with open(audio, "rb") as f:
         cut = wav_truncation(f)
     if cut is not None:
@@ -173,7 +192,21 @@ def check_entry(
             f"audio file {audio}: sample rate {rate} Hz is outside the rates taken, "
             f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz (a broken header?)"
         )
-    samples = math.ceil(length * features.sample_rate / rate)  # at the model's rate
+    start, taken = round((offset or 0.0) * rate), -1
+    if start and start >= length:
+        return f"'offset' {offset} s is at or past the end of audio file {audio} ({length / rate:.3f} s long)"
+    if duration is not None:
+        end = (offset or 0.0) + duration
+        if end > length / rate + DURATION_SLACK_S:
+            return (
+                f"'offset' + 'duration' = {end:.3f} s reaches past the end of audio file {audio} "
+                f"({length / rate:.3f} s long)"
+            )
+        taken = min(round(duration * rate), length - start)
+        if start == 0 and taken == length:
+            taken = -1  # the whole file
+    kept = length - start if taken < 0 else taken
+    samples = math.ceil(kept * features.sample_rate / rate)  # at the model's rate
     frames = int(model.output_frames(features.frames(samples)))
     needed = ctc_frames_needed(alphabet.encode(text))
     if frames < needed:
@@ -181,7 +214,19 @@ def check_entry(
             f"audio file {audio} is too short for its transcript: {samples / features.sample_rate:.2f} s "
             f"gives {frames} output frames, the {len(text)} characters need {needed}"
         )
-    return Entry(audio, text, samples, number)
+    return Entry(audio, text, samples, number, start, taken)
+
+
+def _seconds(item: dict, key: str) -> float | str | None:
+    """``item[key]`` as seconds: None if absent (or null), else a finite number, 0 or more (``offset``)
+    or above 0 (``duration``); what came, as a string, if not."""
+    value = item.get(key)
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value < 0 or (key == "duration" and value == 0):
+        return repr(value)
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -206,8 +251,14 @@ class ManifestSet:
     def fingerprint(self) -> str:
         """SHA-256 of the recordings in order (path, transcript, length): what the plans are drawn from,
         so a resumed run can tell that its manifest changed."""
-        listed = [[str(e.path), e.text, e.samples] for e in self.entries]
+        listed = [[str(e.path), e.text, e.samples, *self._segment(e)] for e in self.entries]
         return hashlib.sha256(json.dumps(listed).encode()).hexdigest()
+
+    @staticmethod
+    def _segment(entry: Entry) -> list[int]:
+        """The part of its file an entry is, where it is not the whole file (so a manifest without
+        ``offset`` or ``duration`` keeps the fingerprint it had before they were read)."""
+        return [] if (entry.start, entry.frames) == (0, -1) else [entry.start, entry.frames]
 
     def plan(self, seed: int | Sequence[int], passes: int = 1) -> list[ManifestUtterance]:
         """Every recording ``passes`` times, in an order drawn from ``seed``."""
@@ -226,7 +277,7 @@ class ManifestSet:
         it is, with a warning the first time this process reads it: one file must not end a long run."""
         entry = self.entries[utterance.index]
         try:
-            waveform, rate = read_audio(entry.path, silent_ok=True)
+            waveform, rate = read_audio(entry.path, silent_ok=True, start=entry.start, frames=entry.frames)
             audio = to_model_input(waveform, rate, self.sample_rate, name=str(entry.path), silent_ok=True)
         except AudioError as e:
             raise AudioError(f"{e} (manifest line {entry.line})") from None
