@@ -91,7 +91,10 @@ class LogMel(torch.nn.Module):
     Frames of ``window_ms`` every ``hop_ms`` (no centre padding: frame ``t`` covers samples
     ``[t * hop, t * hop + win)``), a periodic Hann window, the power spectrum, the mel filterbank,
     ``log(mel + 1e-6)``, then each band minus its mean over the utterance's frames, divided by their
-    standard deviation, so the level of a recording does not matter.
+    standard deviation. A recording's level matters only where its band energies come near the log's
+    floor (quiet recordings and their pauses): jackson's take 0 of "three" (peak 0.29) and the same take
+    20 dB quieter differ by up to 0.3 standard deviations in a band, 40 dB quieter by 1.4, 20 dB louder
+    by 0.008.
 
     Args:
         config: the frame and band settings.
