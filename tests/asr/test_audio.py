@@ -115,6 +115,102 @@ def test_bad_files_raise_audio_errors_naming_the_file(tmp_path, kind, make, expe
     assert isinstance(info.value, ValueError)
 
 
+# containers whose header announces the samples' size, with a sample format each that is not PCM_16 (an
+# odd byte count, a block format); libsndfile reads any of them cut short as the shorter recording
+CONTAINERS = [
+    ("WAV", "PCM_U8", "WAV"),
+    ("WAV", "IMA_ADPCM", "WAV"),
+    ("WAVEX", "PCM_24", "WAV"),
+    ("RF64", "PCM_16", "RF64 WAV"),
+    ("RF64", "FLOAT", "RF64 WAV"),
+    ("W64", "PCM_24", "Wave64"),
+    ("W64", "MS_ADPCM", "Wave64"),
+    ("AIFF", "PCM_16", "AIFF"),
+    ("AIFF", "ALAW", "AIFF"),
+]
+
+
+@pytest.mark.parametrize("container, subtype, name", CONTAINERS)
+def test_a_recording_cut_short_is_refused_in_every_container_that_says_its_size(
+    tmp_path, container, subtype, name
+):
+    """RF64 (what ffmpeg and broadcast recorders write past 4 GB), Wave64 and AIFF cut short were read in
+    part without a word (only RIFF WAV was checked); whole, every one reads as soundfile reads it."""
+    from tandem.asr.audio import wav_truncation
+
+    data = io.BytesIO()
+    sf.write(data, _noise(8001, 2), 8000, format=container, subtype=subtype)
+    whole = data.getvalue()
+    path = tmp_path / "whole.audio"
+    path.write_bytes(whole)
+    expected, _ = sf.read(path, dtype="float32", always_2d=True)
+    waveform, rate = read_audio(path)
+    assert rate == 8000 and torch.equal(waveform, torch.from_numpy(expected.T.copy()))
+    assert wav_truncation(io.BytesIO(whole)) is None
+    for cut in (len(whole) // 2, len(whole) - 1):
+        path.write_bytes(whole[:cut])
+        for source in (path, io.BytesIO(whole[:cut])):
+            with pytest.raises(AudioError, match=f"a truncated {name} file: its header announces"):
+                read_audio(source, name=str(path))
+
+
+def test_a_wav_written_as_a_stream_with_a_data_size_of_0_is_read_to_its_end(tmp_path):
+    """A data size of 0 (a stream's placeholder) made libsndfile read no samples: 'empty recording'. It is
+    read to its end, as the other placeholders are, from a file or a stream, and a manifest's check of
+    the header counts the samples it holds."""
+    from tandem.asr.audio import read_header
+
+    data = io.BytesIO()
+    sf.write(data, _noise(1600, 1), 16000, format="WAV", subtype="PCM_16")
+    stream = bytearray(data.getvalue())
+    at = stream.index(b"data") + 4
+    stream[at : at + 4] = bytes(4)
+    path = tmp_path / "streamed.wav"
+    path.write_bytes(bytes(stream))
+    expected, _ = read_audio(io.BytesIO(data.getvalue()))
+    for source in (path, io.BytesIO(bytes(stream))):
+        waveform, rate = read_audio(source, name="streamed")
+        assert rate == 16000 and torch.equal(waveform, expected)
+    assert read_header(path) == (1600, 16000) and path.read_bytes() == bytes(stream)
+
+
+def test_a_files_bytes_are_read_as_the_file_is_and_bytes_without_a_nul_are_a_path(tmp_path):
+    """A recording's bytes were taken for a file name ('no such file', the escaped bytes as its name); a
+    bytearray or memoryview raised AttributeError. A path as bytes (no NUL in it) stays a path."""
+    import os
+
+    from tandem.asr.audio import source_name
+
+    path = tmp_path / "a.wav"
+    sf.write(path, _noise(800, 2), 8000, subtype="PCM_16")
+    expected, rate = read_audio(path)
+    data = path.read_bytes()
+    for source in (data, bytearray(data), memoryview(data)):
+        waveform, got = read_audio(source)
+        assert torch.equal(waveform, expected) and got == rate
+        assert source_name(source) == f"<{len(data)} bytes>"
+    assert torch.equal(read_audio(os.fsencode(path))[0], expected)
+    with pytest.raises(AudioError, match=r"^<8 bytes>: not a readable audio file"):
+        read_audio(b"RIFF\0\0\0\0")
+
+
+def test_a_text_mode_or_closed_file_and_an_empty_path_are_named_errors(tmp_path):
+    """They raised UnicodeDecodeError, TypeError or ValueError from inside, or (an empty path, which is the
+    current folder) called the recording a directory."""
+    path = tmp_path / "a.wav"
+    sf.write(path, _noise(800, 1), 8000, subtype="PCM_16")
+    expected = f"^{path}: a file opened in text mode; open it in binary"
+    for encoding in ("utf-8", "latin-1"):
+        with open(path, encoding=encoding) as text, pytest.raises(AudioError, match=expected):
+            read_audio(text)
+    with open(path, "rb") as closed:
+        pass
+    with pytest.raises(AudioError, match=f"^{path}: cannot read \\(.*closed file\\)"):
+        read_audio(closed)
+    with pytest.raises(AudioError, match="^'': an empty path, not a file name"):
+        read_audio("")
+
+
 def test_reads_named_pipes_and_names_that_are_not_utf8(tmp_path):
     """A FIFO (what <(cmd) and /dev/stdin are) is read to its end; a file whose name is not UTF-8 (libsndfile
     takes UTF-8 paths only) is opened by tandem and read."""

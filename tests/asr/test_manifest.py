@@ -89,7 +89,7 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
     return {
         "truncated": (
             [ok, {"audio_filepath": str(truncated), "text": "two"}],
-            f":2: audio file {truncated}: a truncated WAV file (its header announces",
+            f":2: audio file {truncated}: a truncated WAV file: its header announces",
         ),
         "invalid-json": ([ok, '{"audio_filepath": "a.wav", "text": '], ":2: invalid JSON"),
         "missing-key": ([ok, {"audio_filepath": str(good_wav)}], ":2: missing key(s) 'text'"),

@@ -159,12 +159,12 @@ def test_a_bad_file_is_named_on_stderr_and_the_others_are_transcribed(
     assert len(err) == 1 and err[0].startswith(f"tandem transcribe: error: {bad}: ") and expected in err[0]
 
 
-@pytest.mark.parametrize("size", [0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF])
+@pytest.mark.parametrize("size", [0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF])
 def test_a_wav_written_as_a_stream_is_not_taken_for_a_truncated_one(
     setup, capsys, tmp_path, monkeypatch, size
 ):
     """A writer that cannot know the length (sox, ffmpeg or arecord into a pipe) puts a placeholder in the
-    header's data size (0xFFFFFFFF, sox's 0x7FFFF000, 0x7FFFFFFF): such a file is read whole, not
+    header's data size (0, 0xFFFFFFFF, sox's 0x7FFFF000, 0x7FFFFFFF): such a file is read whole, not
     refused, from a file as from standard input."""
     root, files, texts = setup
     audio, rate = sf.read(files[0], dtype="int16")

@@ -27,8 +27,10 @@ __all__ = [
     "MAX_SAMPLE_RATE",
     "SILENCE_PEAK",
     "read_audio",
+    "read_header",
     "source_name",
     "to_model_input",
+    "truncation_message",
     "wav_truncation",
 ]
 
@@ -56,7 +58,7 @@ _PCM_SCALE = {
 # normalisation removes the level anyway): squared in float32, they would overflow to inf and NaN.
 LOUDEST = 1e15
 
-AudioSource = Union[str, bytes, "os.PathLike[str]", BinaryIO]
+AudioSource = Union[str, bytes, bytearray, memoryview, "os.PathLike[str]", BinaryIO]
 
 
 class AudioError(ValueError):
@@ -65,10 +67,19 @@ class AudioError(ValueError):
 
 
 def source_name(source: AudioSource) -> str:
-    """What messages call ``source``: the path as given, or the file object's ``name`` (``<stdin>``)."""
+    """What messages call ``source``: the path as given, the file object's ``name`` (``<stdin>``), or
+    ``<N bytes>`` for a recording's bytes."""
+    if _holds_audio(source):
+        return f"<{memoryview(source).nbytes} bytes>"  # type: ignore[arg-type]
     if isinstance(source, (str, bytes, os.PathLike)):
         return os.fsdecode(source)
     return str(getattr(source, "name", "<stream>"))
+
+
+def _holds_audio(source: object) -> bool:
+    """``source`` is a recording's bytes, not a path: a bytearray or memoryview, or bytes with a NUL in
+    them (no path holds one; every WAV header does)."""
+    return isinstance(source, (bytearray, memoryview)) or (isinstance(source, bytes) and b"\0" in source)
 
 
 def read_audio(
@@ -86,7 +97,8 @@ def read_audio(
     are scaled to [-1, 1) as libsndfile does (divided by 2^(bits-1)).
 
     Args:
-        source: a path, or a binary file object (read to its end, so a pipe such as standard input works).
+        source: a path, a binary file object (read to its end, so a pipe such as standard input works), or
+            a file's bytes (bytes that hold a NUL, as every WAV header does; a bytearray or memoryview).
         name: what error messages call the recording (default: the path, or the file object's ``name``).
         silent_ok: return a silent recording instead of raising.
         start, frames: read ``frames`` samples (each channel's) from sample ``start``, or (-1) to the
@@ -107,8 +119,12 @@ def read_audio(
         (torch.Size([2, 35280]), 44100)
     """
     label = name if name is not None else source_name(source)
+    if _holds_audio(source):
+        source = io.BytesIO(bytes(source))  # type: ignore[arg-type]
     try:
         if isinstance(source, (str, bytes, os.PathLike)):
+            if not os.fspath(source):
+                raise AudioError(f"{label!r}: an empty path, not a file name")
             path = Path(os.fsdecode(source))
             if not path.exists():
                 raise AudioError(f"{label}: no such file")
@@ -120,9 +136,10 @@ def read_audio(
                 if path.is_file():
                     _check_wav_complete(f, label)
                 whole = f if path.is_file() else _complete(_whole(f, label), label)
-                samples, rate = _decode(whole, label, start, frames)
+                samples, rate = _decode(_unknown_size_read_whole(whole), label, start, frames)
         else:
-            samples, rate = _decode(_complete(_whole(source, label), label), label, start, frames)
+            whole = _complete(_whole(source, label), label)
+            samples, rate = _decode(_unknown_size_read_whole(whole), label, start, frames)
     except OSError as e:
         raise AudioError(f"{label}: cannot read ({e.strerror or e})") from None
     waveform = torch.from_numpy(np.ascontiguousarray(samples.T))  # [channels, samples]
@@ -132,7 +149,14 @@ def read_audio(
 
 def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
     """A stream read to its end (libsndfile seeks; pipes cannot)."""
-    data = stream.read()
+    try:
+        data = stream.read()
+    except UnicodeDecodeError:
+        data = ""
+    except ValueError as e:  # a closed file
+        raise AudioError(f"{label}: cannot read ({e})") from None
+    if isinstance(data, str):
+        raise AudioError(f"{label}: a file opened in text mode; open it in binary mode ('rb')")
     if not data:
         raise AudioError(f"{label}: empty input (0 bytes)")
     return io.BytesIO(data)
@@ -141,47 +165,130 @@ def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
 # Sizes a WAV writer puts in the data chunk's header when it cannot know the length (a stream, a pipe
 # it cannot seek back in): 0 or 0xFFFFFFFF, 0x7FFFF000 (sox), 0x7FFFFFFF (arecord and others)
 _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF)
+# What the containers that announce their samples' size look like: the first bytes, where the form type
+# is and what it must be, the chunk ids' length, the size fields' length and byte order, the bytes a
+# chunk's size counts besides its body (Wave64's counts its own header), the padding of chunks, the
+# sample chunk's id and the bytes in it before the samples (AIFF's SSND: offset and block size)
+_CONTAINERS = {
+    b"RIFF": (12, (8, b"WAVE"), 4, 4, "little", 0, 2, b"data", 0),
+    b"RF64": (12, (8, b"WAVE"), 4, 4, "little", 0, 2, b"data", 0),  # EBU's 64-bit WAV: sizes in ds64
+    b"BW64": (12, (8, b"WAVE"), 4, 4, "little", 0, 2, b"data", 0),
+    b"riff": (40, (24, b"wave"), 16, 8, "little", 24, 8, b"data", 0),  # Sony Wave64 (GUIDs)
+    b"FORM": (12, (8, (b"AIFF", b"AIFC")), 4, 4, "big", 0, 2, b"SSND", 8),
+}
+_CONTAINER_NAMES = {
+    b"RIFF": "WAV",
+    b"RF64": "RF64 WAV",
+    b"BW64": "BW64 WAV",
+    b"riff": "Wave64",
+    b"FORM": "AIFF",
+}
 
 
 def wav_truncation(f: BinaryIO) -> tuple[int, int] | None:
-    """For a WAV file cut short (a copy or download that stopped): the bytes of samples its header
-    announces and the bytes the file holds after that header; None for a complete WAV, a WAV written as a
-    stream (a size of 0, 0xFFFFFFFF, 0x7FFFF000 or 0x7FFFFFFF) or anything else. libsndfile reads such a
-    file without a word, as the shorter recording it holds. ``f`` is read from its start and left there."""
+    """For a recording cut short (a copy or download that stopped): the bytes of samples its header
+    announces and the bytes the file holds after that header; None for a complete file, a WAV written as
+    a stream (a size of 0, 0xFFFFFFFF, 0x7FFFF000 or 0x7FFFFFFF) or anything else. Read are WAV (RIFF, and
+    RF64/BW64, whose 64-bit sizes are in their ds64 chunk), Sony Wave64 and AIFF/AIFC: libsndfile reads any
+    of them cut short without a word, as the shorter recording it holds. ``f`` is read from its start and
+    left there."""
+    found = _sample_chunk(f)
+    if found is None:
+        return None
+    _, announced, held, _ = found
+    return (announced, held) if announced is not None and announced > held else None
+
+
+def truncation_message(f: BinaryIO) -> str | None:
+    """What is wrong with a recording cut short (see :func:`wav_truncation`), or None."""
+    cut = wav_truncation(f)
+    if cut is None:
+        return None
+    kind = _CONTAINER_NAMES[_sample_chunk(f)[0]]  # type: ignore[index]
+    announced, held = cut
+    return (
+        f"a truncated {kind} file: its header announces {announced} bytes of samples, the file holds {held} "
+        f"({100 * held / announced:.0f}%); it was probably cut short while copied or written"
+    )
+
+
+def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
+    """``f``'s container (its key in :data:`_CONTAINERS`), the bytes of samples its header announces
+    (None for a stream's placeholder), the bytes after the sample chunk's header, and where a RIFF WAV's
+    data size is (-1 in other containers); None if ``f`` is none of :data:`_CONTAINERS` or its header
+    ends before its samples. ``f`` is left at 0."""
     f.seek(0, io.SEEK_END)
     end = f.tell()
     f.seek(0)
     try:
-        head = f.read(12)
-        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        head = f.read(40)
+        if head[:4] not in _CONTAINERS:
             return None
+        first, (at, form), id_len, size_len, order, counted, pad, sample_id, skip = _CONTAINERS[head[:4]]
+        forms = form if isinstance(form, tuple) else (form,)
+        if head[at : at + 4] not in forms:
+            return None
+        f.seek(first)
+        ds64 = None  # RF64/BW64: the data size held for the data chunk whose own size is 0xFFFFFFFF
         while True:
-            chunk = f.read(8)
-            if len(chunk) < 8:
+            header = f.read(id_len + size_len)
+            if len(header) < id_len + size_len:
                 return None
-            size = int.from_bytes(chunk[4:], "little")
-            if chunk[:4] == b"data":
-                held = end - f.tell()
-                return (size, held) if size not in _WAV_UNKNOWN_SIZES and size > held else None
-            f.seek(size + (size & 1), io.SEEK_CUR)  # chunks are padded to an even size
+            chunk, size = header[:4], int.from_bytes(header[id_len:], order)
+            if chunk == b"ds64" and head[:4] != b"RIFF":
+                body = f.read(16)
+                ds64 = int.from_bytes(body[8:16], "little") if len(body) == 16 else None
+                f.seek(-len(body), io.SEEK_CUR)
+            if chunk == sample_id:
+                held = end - f.tell() - skip
+                if head[:4] == b"RIFF":
+                    known = size not in _WAV_UNKNOWN_SIZES
+                    return head[:4], (size if known else None), held, f.tell() - size_len
+                if ds64 is not None and size == 0xFFFFFFFF:
+                    size = ds64
+                size -= counted + skip
+                return head[:4], (size if size > 0 else None), held, -1
+            body = size - counted
+            f.seek(body + (-body % pad), io.SEEK_CUR)  # chunks are padded to a multiple of ``pad``
     finally:
         f.seek(0)
 
 
 def _complete(buffer: io.BytesIO, label: str) -> io.BytesIO:
-    """A pipe's or stream's bytes, read whole, checked as a file is (a WAV cut short is refused)."""
+    """A pipe's or stream's bytes, read whole, checked as a file is (a recording cut short is refused)."""
     _check_wav_complete(buffer, label)
     return buffer
 
 
 def _check_wav_complete(f: BinaryIO, label: str) -> None:
-    cut = wav_truncation(f)
-    if cut is not None:
-        announced, held = cut
-        raise AudioError(
-            f"{label}: a truncated WAV file: its header announces {announced} bytes of samples, the file "
-            f"holds {held} ({100 * held / announced:.0f}%); it was probably cut short while copied or written"
-        )
+    problem = truncation_message(f)
+    if problem is not None:
+        raise AudioError(f"{label}: {problem}")
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """A recording's length in samples (a channel's) and its sample rate, from its header: nothing is
+    decoded. A WAV written as a stream with a data size of 0 counts the samples it holds, as
+    :func:`read_audio` reads them."""
+    import soundfile
+
+    with open(path, "rb") as f:
+        info = soundfile.info(_unknown_size_read_whole(f))
+    return info.frames, info.samplerate
+
+
+def _unknown_size_read_whole(f: BinaryIO) -> BinaryIO:
+    """``f``, or a copy of it whose WAV data size 0 (a stream's placeholder, which libsndfile reads as no
+    samples at all) says 0xFFFFFFFF (another one, which it reads to the end)."""
+    found = _sample_chunk(f)
+    if found is None or found[1] is not None or found[3] < 0 or found[2] <= 0:
+        return f
+    data = bytearray(f.read())
+    f.seek(0)
+    at = found[3]
+    if data[at : at + 4] == bytes(4):
+        data[at : at + 4] = b"\xff" * 4
+    return io.BytesIO(bytes(data))
 
 
 def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[np.ndarray, int]:

@@ -37,8 +37,9 @@ from tandem.asr.audio import (
     SILENCE_PEAK,
     AudioError,
     read_audio,
+    read_header,
     to_model_input,
-    wav_truncation,
+    truncation_message,
 )
 from tandem.asr.features import FeatureConfig
 from tandem.asr.model import ModelConfig
@@ -83,15 +84,6 @@ def ctc_frames_needed(labels: Tensor) -> int:
     neighbours ("three" needs 6: t h r e _ e)."""
     repeats = int((labels[1:] == labels[:-1]).sum()) if len(labels) > 1 else 0
     return len(labels) + repeats
-
-
-def _header(path: Path) -> tuple[int, int]:
-    """The recording's length in samples and its sample rate, from its header (soundfile.info: nothing
-    is decoded)."""
-    import soundfile
-
-    info = soundfile.info(str(path))
-    return info.frames, info.samplerate
 
 
 def read_manifest(
@@ -175,15 +167,11 @@ def check_entry(
         if isinstance(value, str):
             return f"expected {key!r} to be a number of seconds, {least}, got {value}"
     with open(audio, "rb") as f:
-        cut = wav_truncation(f)
+        cut = truncation_message(f)
     if cut is not None:
-        announced, held = cut
-        return (
-            f"audio file {audio}: a truncated WAV file (its header announces {announced} bytes of samples, "
-            f"it holds {held})"
-        )
+        return f"audio file {audio}: {cut}"
     try:
-        length, rate = _header(audio)
+        length, rate = read_header(audio)
     except Exception as e:  # soundfile's errors are RuntimeErrors (LibsndfileError) and others
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"audio file {audio}: not a readable recording ({reason})"

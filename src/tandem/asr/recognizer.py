@@ -220,10 +220,12 @@ class Recognizer:
         """:meth:`transcribe_files` one result at a time, in order, as each group of ``batch_size``
         files is done (only that group's audio is in memory)."""
         _check_batch_size(batch_size)
-        if isinstance(files, (str, bytes, os.PathLike)) or not hasattr(files, "__len__"):
+        if isinstance(files, (str, bytes, bytearray, memoryview, os.PathLike)) or not hasattr(
+            files, "__len__"
+        ):
             raise TypeError(
-                f"files: expected a sequence of paths or binary file objects, got {type(files).__name__} "
-                "(one path goes in a list)"
+                f"files: expected a sequence of paths, binary file objects or files' bytes, got "
+                f"{type(files).__name__} (one file goes in a list)"
             )
         for start in range(0, len(files), batch_size):
             group = [(source, source_name(source)) for source in files[start : start + batch_size]]
@@ -254,9 +256,10 @@ class Recognizer:
             yield from (done[i] for i in range(len(group)))
 
     def transcribe_files(self, files: Sequence[AudioSource], batch_size: int = 16) -> list[FileTranscript]:
-        """Read and transcribe ``files`` (paths, or binary file objects such as ``sys.stdin.buffer``),
-        ``batch_size`` at a time. A file that cannot be transcribed (missing, not audio, empty, silent)
-        gets a result with its ``error`` instead of stopping the others.
+        """Read and transcribe ``files`` (paths, binary file objects such as ``sys.stdin.buffer``, or
+        files' bytes: see :func:`~tandem.asr.audio.read_audio`), ``batch_size`` at a time. A file that
+        cannot be transcribed (missing, not audio, empty, silent) gets a result with its ``error`` instead
+        of stopping the others.
 
         Returns:
             one :class:`FileTranscript` per file, in the order of ``files``.
