@@ -285,6 +285,13 @@ def test_to_model_input_errors_name_the_argument():
         to_model_input(torch.zeros(2, 0), 8000, 8000)
     with pytest.raises(AudioError, match=r"^waveform: its 2 channels cancel out when mixed to mono"):
         to_model_input(torch.stack([x[0], -x[0]]), 8000, 8000)  # loud channels, silence in mono
+    # nearly: one voice in opposite phase (a mis-wired microphone) leaves a mix 60 dB down, which was
+    # transcribed as noise; 20 dB down, or a silent channel (6 dB), is a recording
+    with pytest.raises(AudioError, match=r"^waveform: its 2 channels cancel out.*the mix's 0.00"):
+        to_model_input(torch.stack([x[0], -0.999 * x[0]]), 8000, 8000)
+    for other in (-0.8 * x[0], torch.zeros(1000)):
+        to_model_input(torch.stack([x[0], other]), 8000, 8000)
+    assert to_model_input(torch.stack([x[0], -0.999 * x[0]]), 8000, 8000, silent_ok=True).shape == (1000,)
     with pytest.raises(ValueError, match=r"^waveform: expected at least one channel, got shape \[0, 100\]"):
         to_model_input(np.zeros((0, 100), np.float32), 8000, 8000)
     for rate in (float("nan"), float("inf"), "8000", None):

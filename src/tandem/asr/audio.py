@@ -54,6 +54,8 @@ _PCM_SCALE = {
     torch.int16: (0, 2.0**15),
     torch.int32: (0, 2.0**31),
 }
+# A mix of channels whose peak is this far below the loudest channel's (40 dB) is channels that cancel
+CANCELLED = 0.01
 # Float samples above this are scaled down by their peak before the features (whose per-utterance
 # normalisation removes the level anyway): squared in float32, they would overflow to inf and NaN.
 LOUDEST = 1e15
@@ -308,14 +310,18 @@ def _check_samples(
 ) -> float:
     """``waveform``'s peak magnitude, or :class:`AudioError` if it is empty, not finite or (unless
     ``silent_ok``) silent; ``channels`` (``[C, samples]``), where ``waveform`` is their mix, names loud
-    channels that cancel."""
+    channels that cancel (the mix 40 dB or more below the loudest channel, :data:`CANCELLED`)."""
     if waveform.shape[-1] == 0:
         raise AudioError(f"{label}: empty recording (0 samples)")
     peak = float(waveform.abs().max())
     if not math.isfinite(peak):
         raise AudioError(f"{label}: the recording holds NaN or infinite samples")
-    if peak <= SILENCE_PEAK and not silent_ok:
-        loudest = float(channels.abs().max()) if channels is not None and channels.shape[0] > 1 else 0.0
+    if silent_ok:
+        return peak
+    loudest = float(channels.abs().max()) if channels is not None and channels.shape[0] > 1 else 0.0
+    # channels that (nearly) cancel: the mix is what is left of one voice in opposite phase (a mis-wired
+    # microphone), not the recording (a silent channel leaves half the other, -6 dB)
+    if peak <= SILENCE_PEAK or peak < loudest * CANCELLED:
         if loudest > SILENCE_PEAK:  # (a NaN does not compare: the mix would have held it)
             raise AudioError(
                 f"{label}: its {channels.shape[0]} channels cancel out when mixed to mono (the loudest "
