@@ -194,24 +194,30 @@ def wav_truncation(f: BinaryIO) -> tuple[int, int] | None:
     RF64/BW64, whose 64-bit sizes are in their ds64 chunk), Sony Wave64 and AIFF/AIFC: libsndfile reads any
     of them cut short without a word, as the shorter recording it holds. ``f`` is read from its start and
     left there."""
-    found = _sample_chunk(f)
-    if found is None:
-        return None
-    _, announced, held, _ = found
-    return (announced, held) if announced is not None and announced > held else None
+    cut = _cut_short(f)
+    return None if cut is None else cut[1:]
 
 
 def truncation_message(f: BinaryIO) -> str | None:
     """What is wrong with a recording cut short (see :func:`wav_truncation`), or None."""
-    cut = wav_truncation(f)
+    cut = _cut_short(f)
     if cut is None:
         return None
-    kind = _CONTAINER_NAMES[_sample_chunk(f)[0]]  # type: ignore[index]
-    announced, held = cut
+    kind, announced, held = cut
     return (
-        f"a truncated {kind} file: its header announces {announced} bytes of samples, the file holds {held} "
-        f"({100 * held / announced:.0f}%); it was probably cut short while copied or written"
+        f"a truncated {_CONTAINER_NAMES[kind]} file: its header announces {announced} bytes of samples, "
+        f"the file holds {held} ({100 * held / announced:.0f}%); it was probably cut short while copied or "
+        "written"
     )
+
+
+def _cut_short(f: BinaryIO) -> tuple[bytes, int, int] | None:
+    """The container, the bytes of samples announced and those held, of a recording cut short."""
+    found = _sample_chunk(f)
+    if found is None:
+        return None
+    kind, announced, held, _ = found
+    return (kind, announced, held) if announced is not None and announced > held else None
 
 
 def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
@@ -251,6 +257,8 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
                 size -= counted + skip
                 return head[:4], (size if size > 0 else None), held, -1
             body = size - counted
+            if body < 0:  # a broken Wave64 size (it counts its own header): not a header to walk
+                return None
             f.seek(body + (-body % pad), io.SEEK_CUR)  # chunks are padded to a multiple of ``pad``
     finally:
         f.seek(0)
