@@ -40,3 +40,16 @@ def test_unreadable_files_are_checkpoint_errors_naming_the_file(tmp_path, saved,
     message = str(info.value)
     assert message.startswith(f"{path}: not a readable checkpoint (truncated or corrupt?): ")
     assert "\n" not in message
+
+
+def test_a_pipe_or_device_is_named_as_such_not_as_missing(tmp_path):
+    """``--model /dev/null`` or ``<(cat checkpoint.pt)`` exist: "no such file" sent people looking."""
+    import os
+
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/null"):
+        with pytest.raises(
+            CheckpointError, match=f"^{path}: not a regular file \\(a pipe, a device or a socket\\)"
+        ):
+            load_checkpoint(path)

@@ -213,6 +213,16 @@ def test_csv_and_plot_that_cannot_be_written_are_refused_before_timing():
     assert not Path("/proc/tandem-bench.csv").exists()
 
 
+def test_csv_that_is_no_text_or_under_a_file_is_refused_with_what_it_is(tmp_path):
+    """A binary file raised UnicodeDecodeError; a parent that is a file was said not to exist."""
+    binary = tmp_path / "chart.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    with pytest.raises(runner.BenchError, match=f"--csv: '{binary}' is not a CSV file"):
+        runner.check_csv(binary)
+    with pytest.raises(runner.BenchError, match=f"--csv: directory '{binary}' is a file, not a directory"):
+        runner.check_csv(binary / "rows.csv")
+
+
 def test_plot_checks_its_path(tmp_path):
     with pytest.raises(runner.BenchError, match="expected a .png file name"):
         runner.check_plot(tmp_path / "chart.jpg")

@@ -114,6 +114,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(
             f"{path}: a directory, not a checkpoint file (tandem train writes checkpoint.pt in it)"
         )
+    if path.exists() and not path.is_file():
+        raise CheckpointError(
+            f"{path}: not a regular file (a pipe, a device or a socket); expected the checkpoint file itself "
+            "(torch.load reads it in pieces)"
+        )
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
@@ -129,8 +134,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(
             f"{path}: not a speech-recognizer checkpoint (expected format {FORMAT!r}, got "
-            f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}); "
-            "`tandem train --task classify` checkpoints cannot transcribe"
+            f"{state.get('format') if isinstance(state, dict) else type(state).__name__!r}; a checkpoint of "
+            "`tandem train --task classify`?)"
         )
     if state.get("version") != VERSION:
         raise CheckpointError(

@@ -446,10 +446,14 @@ def check_csv(path: str | os.PathLike[str]) -> None:
     if p.is_dir():
         raise BenchError(f"--csv: {str(p)!r} is a directory")
     if not p.parent.is_dir():
-        raise BenchError(f"--csv: directory {str(p.parent)!r} does not exist")
+        missing = "is a file, not a directory" if p.parent.exists() else "does not exist"
+        raise BenchError(f"--csv: directory {str(p.parent)!r} {missing}")
     if p.exists() and p.stat().st_size > 0:
-        with p.open(newline="") as f:
-            first = next(csv.reader(f), [])
+        try:
+            with p.open(newline="", encoding="utf-8") as f:
+                first = next(csv.reader(f), [])
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise BenchError(f"--csv: {str(p)!r} is not a CSV file ({e}); rows are appended to one") from None
         if tuple(first) != CSV_COLUMNS:
             raise BenchError(
                 f"--csv: {str(p)!r} has the header {','.join(first)!r}, expected {','.join(CSV_COLUMNS)!r} "
@@ -492,7 +496,8 @@ def check_plot(path: str | os.PathLike[str]) -> None:
     if p.suffix.lower() != ".png":
         raise BenchError(f"--plot: expected a .png file name, got {str(p)!r}")
     if not p.parent.is_dir():
-        raise BenchError(f"--plot: directory {str(p.parent)!r} does not exist")
+        missing = "is a file, not a directory" if p.parent.exists() else "does not exist"
+        raise BenchError(f"--plot: directory {str(p.parent)!r} {missing}")
     _check_writable(p, "--plot")
     try:
         import matplotlib  # noqa: F401
