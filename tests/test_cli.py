@@ -106,13 +106,25 @@ def test_bench_list(fake_op, capsys):
     [
         pytest.param([], "the following arguments are required", id="no-command"),
         pytest.param(
-            ["bench", "--threads", "0"], "--threads: expected a positive integer, got 0", id="threads0"
+            ["bench", "--threads", "0"],
+            "--threads: expected a thread count from 1 to 4096, got 0",
+            id="threads0",
         ),
         pytest.param(["bench", "--min-time", "-1"], "--min-time: expected a positive number", id="min-time"),
         pytest.param(["bench", "--device", "tpu"], "invalid choice: 'tpu'", id="device"),
         pytest.param(["bench", "--op", "nope"], "unknown op 'nope'; available: ", id="unknown-op"),
         pytest.param(
             ["train", "--hidden", "0"], "--hidden: expected a positive integer, got 0", id="hidden0"
+        ),
+        # an empty name is the current folder to pathlib: --csv "" was ignored, --model "" named "."
+        pytest.param(["bench", "--csv", ""], "--csv: expected a path, got ''", id="csv-empty"),
+        pytest.param(
+            ["transcribe", "--model", "", "a.wav"], "--model: expected a path, got ''", id="model-empty"
+        ),
+        pytest.param(
+            ["bench", "--threads", "99999999999"],
+            "--threads: expected a thread count from 1 to 4096",
+            id="threads",
         ),
     ],
 )

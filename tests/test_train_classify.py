@@ -53,6 +53,17 @@ def test_resumed_run_ends_with_the_uninterrupted_weights(tmp_path):
     for name, tensor in a["model"].items():
         torch.testing.assert_close(b["model"][name], tensor, rtol=0, atol=0, msg=name)
     assert [h["test_accuracy"] for h in a["history"]] == [h["test_accuracy"] for h in b["history"]]
+    # fewer epochs than trained: refused, as the speech task refuses it (it rewrote metrics.json with the
+    # 3 epochs' history and said it wrote checkpoint.pt); as many: nothing to train, no checkpoint written
+    metrics = (resumed / "metrics.json").read_bytes()
+    again = ("--resume", "--out", str(resumed), "--master-port", free_port())
+    fewer = _tandem(*common, "--epochs", "2", *again)
+    assert fewer.returncode == 2, fewer.stderr[-3000:]
+    assert "--epochs 2: the checkpoint has trained 3 epochs; resume with --epochs 3 or more" in fewer.stderr
+    assert (resumed / "metrics.json").read_bytes() == metrics
+    same = _tandem(*common, "--epochs", "3", "--resume", "--out", str(resumed), "--master-port", free_port())
+    last = same.stdout.splitlines()[-1]
+    assert same.returncode == 0 and last.startswith("done:") and "checkpoint.pt" not in last, last
 
 
 def test_without_matplotlib_the_closing_line_names_only_what_was_written(tmp_path):
@@ -104,6 +115,38 @@ def test_malformed_data_is_a_clear_error_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+def test_data_that_would_break_training_is_refused_before_it_starts(tmp_path):
+    """Values load_npz took that broke training later: features beyond float32's range (NaN loss after an
+    earlier run was set aside), labels past int64 (wrapped negative) or far above the others (an output
+    layer of 10**9 classes); and fewer train or test sequences than processes (a hang, then tracebacks)."""
+    from tandem.data import load_npz
+
+    def data(features=None, labels=None, n=6) -> str:
+        path = tmp_path / "d.npz"
+        split = np.arange(n) % 2
+        feats = np.ones((n, 3, 2)) if features is None else features
+        np.savez(
+            path,
+            features=feats,
+            lengths=np.full(n, 3),
+            labels=np.zeros(n, np.int64) if labels is None else labels,
+            split=split,
+        )
+        return str(path)
+
+    for kwargs, message in (
+        ({"features": np.full((6, 3, 2), 1e300)}, "expected finite float32 features"),
+        ({"labels": np.full(6, 2**63 + 5, np.uint64)}, "expected labels from 0 to 1048575"),
+        ({"labels": np.array([0, 1, 10**9, 0, 1, 0])}, "expected labels from 0 to 1048575"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_npz(data(**kwargs))
+    out = tmp_path / "out"
+    done = _tandem("--nproc", "2", "--data", data(n=2), "--out", str(out), timeout=60)
+    assert done.returncode == 2 and "1 train sequence(s) for 2 processes" in done.stderr, done.stderr
+    assert not out.exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
 def test_unwritable_out_is_a_clear_error(tmp_path):
     locked = tmp_path / "locked"
@@ -126,6 +169,12 @@ def test_out_that_is_a_file_is_a_clear_error(tmp_path):
         (("--nproc", "0"), "--nproc"),
         (("--epochs", "-1"), "--epochs"),
         (("--master-port", "70000"), "--master-port: expected a port from 1 to 65535, got 70000"),
+        # the speech task's options were taken and ignored, invalid ones too
+        (
+            ("--warmup-steps", "-5", "--augment", "on", "--conv-channels", "7"),
+            "--augment, --warmup-steps, --conv-channels: only for --task asr",
+        ),
+        (("--seed", str(10**15)), "--seed: expected a seed from 0 to 4294967295"),
     ],
 )
 def test_bad_numbers_are_argparse_errors(args, message):

@@ -29,14 +29,21 @@ def env(pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
 
 
-def tandem(*args: str, timeout: float = 300, pythonpath: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """``tandem train ARGS`` to its end."""
+def tandem(
+    *args: str,
+    timeout: float = 300,
+    pythonpath: tuple[str, ...] = (),
+    cwd: Path | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """``tandem train ARGS`` to its end (in ``cwd``, with ``extra_env`` added to the environment)."""
     return subprocess.run(
         [sys.executable, "-m", "tandem", "train", *ON_CPU, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env(pythonpath),
+        env=dict(env(pythonpath), **(extra_env or {})),
+        cwd=cwd,
     )
 
 

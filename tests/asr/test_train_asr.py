@@ -93,15 +93,49 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
         (("--data", "x.npz"), "--data: only for --task classify"),
         (("--warmup-steps", "-1"), "--warmup-steps: expected a number >= 0, got -1"),
         (("--task", "classify", "--test-speaker", "theo"), "--test-speaker: only for --task asr"),
-        (("--seed", "-1"), "--seed: expected a number >= 0, got -1"),
+        (("--seed", "-1"), "--seed: expected a seed from 0 to 4294967295, got -1"),
+        # a seed numpy or torch cannot take failed after an earlier run had been set aside
+        (("--seed", str(2**64)), "--seed: expected a seed from 0 to 4294967295, got 18446744073709551616"),
         (("--nproc", "2", "--batch-size", "1"), "--batch-size: expected at least one utterance per process"),
+        # tracebacks from deep inside (timedelta, torch.set_num_threads, torchrun's int())
+        (("--timeout", "1e300"), "--timeout: expected seconds from 1 to 1e+07, got '1e300'"),
+        (("--timeout", "1e-9"), "--timeout: expected seconds from 1 to 1e+07, got '1e-9'"),
+        (("--threads", "99999999999"), "--threads: expected a thread count from 1 to 4096, got 99999999999"),
+        (("--rdzv-timeout", "0.5"), "--rdzv-timeout: expected a positive integer, got '0.5'"),
+        (("--master-port", "0"), "--master-port: expected a port from 1 to 65535, got 0"),
+        # the blank's sign was dropped without a word; upper case can never occur in a transcript
+        (("--alphabet", "_"), "--alphabet: '_' stands for the CTC blank and cannot be a character"),
+        (("--alphabet", "Éé"), "--alphabet: transcripts are lower-cased, so 'É' can never occur; give 'é'"),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, args, message):
     out = tmp_path / "out"
     done = tandem(*args, "--out", str(out), timeout=60)
-    assert done.returncode == 2 and message in done.stderr
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()
+
+
+def test_an_empty_out_is_refused_not_taken_for_the_current_folder(tmp_path):
+    """``Path("")`` is ".": ``--out ""`` trained into the current folder (setting aside a run there)."""
+    done = tandem("--out", "", "--epochs", "1", timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and "--out: expected a path, got ''" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_of_a_torchrun_started_by_hand_checks_the_options_too(tmp_path):
+    """Under ``torchrun ... -m tandem train`` (WORLD_SIZE set, no tandem launcher) nothing was checked:
+    a negative warm-up trained, an unknown speaker or a negative --workers ended in a traceback."""
+    out = tmp_path / "out"
+    for args, message in (
+        (("--warmup-steps", "-500"), "--warmup-steps: expected a number >= 0, got -500"),
+        (("--test-speaker", "nobody"), "--test-speaker: expected one of george"),
+        (("--workers", "-2"), "--workers: expected a number >= 0, got -2"),
+        (("--task", "classify", "--workers", "1"), "--workers: only for --task asr"),
+    ):
+        torchrun = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+        done = tandem(*args, "--out", str(out), timeout=60, extra_env=torchrun)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, args
+        assert not out.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

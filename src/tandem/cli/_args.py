@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
-__all__ = ["port", "positive_int", "positive_float"]
+__all__ = [
+    "MAX_THREADS",
+    "nonempty_path",
+    "port",
+    "positive_int",
+    "positive_float",
+    "seconds",
+    "seed",
+    "threads",
+]
+
+# More threads than this is a typo (torch takes a C int; 4096 is beyond any machine's cores)
+MAX_THREADS = 4096
+# The longest wait taken, in seconds (~116 days): beyond, a timedelta (and torch's milliseconds) overflow
+MAX_SECONDS = 1e7
 
 
 def positive_int(text: str) -> int:
@@ -18,12 +33,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _int_in(text: str, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        came = text if value is not None else repr(text)
+        raise argparse.ArgumentTypeError(f"expected {what} from {low} to {high}, got {came}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 1 to 65535."""
-    value = positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {value}")
-    return value
+    return _int_in(text, 1, 65535, "a port")
+
+
+def seed(text: str) -> int:
+    """A random seed, 0 to 2**32 - 1 (numpy's legacy range; the runs derive their other seeds from it)."""
+    return _int_in(text, 0, 2**32 - 1, "a seed")
+
+
+def threads(text: str) -> int:
+    """A thread count, 1 to :data:`MAX_THREADS`."""
+    return _int_in(text, 1, MAX_THREADS, "a thread count")
 
 
 def positive_float(text: str) -> float:
@@ -34,3 +67,21 @@ def positive_float(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
+
+
+def seconds(text: str) -> float:
+    """A timeout in seconds, 1 to :data:`MAX_SECONDS` (less than a second fails any collective)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 1 <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected seconds from 1 to {MAX_SECONDS:g}, got {text!r}")
+    return value
+
+
+def nonempty_path(text: str) -> Path:
+    """A file or folder name; not empty (``Path("")`` is the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return Path(text)

@@ -147,6 +147,14 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
             detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
             _error(lead, f"--resume: the run's settings differ from the checkpoint's ({detail})")
             return 2
+        trained = checkpoint["epoch"]
+        if args.epochs < trained:  # it would end with files of two moments (the speech task refuses it too)
+            _error(
+                lead,
+                f"--epochs {args.epochs}: the checkpoint has trained {trained} epochs; resume with --epochs "
+                f"{trained} or more",
+            )
+            return 2
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         history, start_epoch = checkpoint["history"], checkpoint["epoch"]
@@ -244,7 +252,7 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
             "torch_version": torch.__version__,
         }
         text = json.dumps(metrics, indent=2)
-        written = ["checkpoint.pt"] if checkpoint_path.exists() else []
+        written = ["checkpoint.pt"] if start_epoch < args.epochs else []  # an epoch ran: it wrote one
         atomic_write(lambda tmp: tmp.write_text(text + "\n"), args.out / "metrics.json")
         written.append("metrics.json")
         if history and _plot(history, args.out / "training_curve.png"):

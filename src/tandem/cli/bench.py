@@ -18,7 +18,7 @@ import shlex
 import sys
 
 from tandem.bench import runner
-from tandem.cli._args import positive_float, positive_int
+from tandem.cli._args import nonempty_path, positive_float, threads
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "main"]
 
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=("cpu", "cuda"), help="where to run (default: cuda when available, else cpu)"
     )
     parser.add_argument(
-        "--threads", type=positive_int, default=2, metavar="N", help="torch CPU threads (default: 2)"
+        "--threads", type=threads, default=2, metavar="N", help="torch CPU threads (default: 2)"
     )
     parser.add_argument(
         "--min-time",
@@ -52,9 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds of measurement per provider and case (default: 1.0, or 0.3 with --quick)",
     )
-    parser.add_argument("--csv", metavar="FILE", help="append the rows to this CSV file (header if new)")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="write a bar chart of the speedups (needs matplotlib)"
+        "--csv", type=nonempty_path, metavar="FILE", help="append the rows to this CSV file (header if new)"
+    )
+    parser.add_argument(
+        "--plot",
+        type=nonempty_path,
+        metavar="FILE.png",
+        help="write a bar chart of the speedups (needs matplotlib)",
     )
     parser.add_argument(
         "--list", action="store_true", help="list the registered ops and shapes, time nothing"

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tandem.cli._args import port, positive_float, positive_int
+from tandem.cli._args import nonempty_path, port, positive_float, positive_int, seconds, seed, threads
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "DEFAULTS"]
 
@@ -72,8 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size", type=positive_int, help="global batch, split over processes (default: 32)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--out", type=Path, help="output folder (default: runs/asr, classify runs/train)")
+    parser.add_argument("--seed", type=seed, default=0, help="random seed, 0 to 2**32 - 1 (default: 0)")
+    parser.add_argument(
+        "--out", type=nonempty_path, help="output folder (default: runs/asr, classify runs/train)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     asr = parser.add_argument_group("speech recognition (--task asr)")
     asr.add_argument(
@@ -113,12 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     asr.add_argument(
         "--train-manifest",
-        type=Path,
+        type=nonempty_path,
         metavar="JSONL",
         help="train on your own recordings: JSON lines {audio_filepath, text, duration} (NeMo's manifests); "
         "needs --test-manifest",
     )
-    asr.add_argument("--test-manifest", type=Path, metavar="JSONL", help="the recordings to test on")
+    asr.add_argument("--test-manifest", type=nonempty_path, metavar="JSONL", help="the recordings to test on")
     asr.add_argument(
         "--alphabet",
         default="",
@@ -136,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     classify = parser.add_argument_group("classification (--task classify)")
     classify.add_argument(
         "--data",
-        type=Path,
+        type=nonempty_path,
         default=None,
         help="a .npz with features [N,T,F], lengths [N], labels [N], optional split [N] (see tandem.data)",
     )
@@ -152,12 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--node-rank", type=int, default=0, help="torchrun: this machine's rank")
     launch.add_argument("--master-addr", default="127.0.0.1", help="torchrun: rank 0's address")
     launch.add_argument("--master-port", type=port, default=29500, help="torchrun: rank 0's port")
-    launch.add_argument(
-        "--timeout", type=positive_float, default=60.0, help="collective timeout, s (default: 60)"
-    )
+    launch.add_argument("--timeout", type=seconds, default=60.0, help="collective timeout, s (default: 60)")
     launch.add_argument(
         "--threads",
-        type=positive_int,
+        type=threads,
         default=None,
         metavar="N",
         help="torch CPU threads per process (default: this machine's cores over its processes)",
@@ -172,8 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     launch.add_argument(
         "--rdzv-timeout",
-        type=positive_float,
-        default=300.0,
+        type=positive_int,
+        default=300,
         metavar="S",
         help="multi-node: seconds to wait for every node to join, at the start and after a restart "
         "(default: 300)",
@@ -337,8 +337,6 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
     """Why the options do not fit the task, or None (checked before anything is written)."""
     if args.max_restarts < 0:
         return f"--max-restarts: expected a number >= 0, got {args.max_restarts}"
-    if args.seed < 0:
-        return f"--seed: expected a number >= 0, got {args.seed}"
     world = args.nproc * args.nnodes
     if args.batch_size < world:
         return (
@@ -360,17 +358,48 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
             return f"--checkpoint-every: expected a number of steps >= 0, got {args.checkpoint_every}"
         if args.workers is not None and args.workers < 0:
             return f"--workers: expected a number >= 0, got {args.workers}"
-        return _check_manifests(args)
+        return _check_alphabet(args.alphabet) or _check_manifests(args)
     if args.train_manifest or args.test_manifest or args.alphabet:
         return "--train-manifest, --test-manifest and --alphabet: only for --task asr"
     from tandem.data import JAPANESE_VOWELS, load_npz
 
     if args.test_speaker is not None:
         return "--test-speaker: only for --task asr"
+    # the classifier reads none of the other speech options: a value given for one would be ignored
+    defaults = {a.dest: a.default for a in _train_parser_actions()}
+    given = [f"--{k.replace('_', '-')}" for k in _ASR_ONLY if getattr(args, k) != defaults[k]]
+    if given:
+        return f"{', '.join(given)}: only for --task asr"
     try:
-        load_npz(args.data or JAPANESE_VOWELS)
+        data = load_npz(args.data or JAPANESE_VOWELS)
     except ValueError as e:
         return str(e)
+    for what, count in (("train", int((~data.is_test).sum())), ("test", int(data.is_test.sum()))):
+        if count < world:  # a process with none would wait for the others' collectives
+            return (
+                f"--data {args.data or JAPANESE_VOWELS}: {count} {what} sequence(s) for {world} processes; "
+                "expected at least one per process (--nproc x --nnodes)"
+            )
+    return None
+
+
+# Speech options besides those checked by name above (manifests, --alphabet, --test-speaker)
+_ASR_ONLY = ("augment", "warmup_steps", "checkpoint_every", "keep_checkpoints", "conv_channels", "workers")
+
+
+def _check_alphabet(extra: str) -> str | None:
+    """Why ``--alphabet`` cannot add these characters: the blank's sign, or upper case (transcripts are
+    lower-cased, so an upper-case letter could never be a label)."""
+    from tandem.asr.text import BLANK
+
+    if BLANK in extra:
+        return f"--alphabet: {BLANK!r} stands for the CTC blank and cannot be a character, got {extra!r}"
+    upper = "".join(dict.fromkeys(c for c in extra if c != c.lower()))
+    if upper:
+        return (
+            f"--alphabet: transcripts are lower-cased, so {upper!r} can never occur; give "
+            f"{upper.lower()!r}, got {extra!r}"
+        )
     return None
 
 
@@ -461,8 +490,13 @@ def _train_parser_actions() -> list[argparse.Action]:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Validate everything, then train here (under torchrun, or one process) or launch torchrun."""
     args = _with_defaults(args)
-    if "WORLD_SIZE" in os.environ:  # we are a torchrun worker: the launcher validated the arguments
-        # started by torchrun directly, not by our launcher (which holds --out): rank 0 holds it
+    if "WORLD_SIZE" in os.environ:  # a torchrun worker
+        if _OUT_HELD_ENV not in os.environ:
+            # started by torchrun directly, not by our launcher, which checked the options and holds
+            # --out: every rank checks them (the same verdict), rank 0 says it, and rank 0 holds --out
+            problem = _check_worker_options(args)
+            if problem:
+                return _fail(parser, problem) if os.environ.get("RANK") == "0" else 2
         holds = os.environ.get("RANK") == "0" and _OUT_HELD_ENV not in os.environ
         with _hold_out(args.out, holds) as held:
             return _fail(parser, held) if held else _work(args)
@@ -487,6 +521,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _train_or_launch(args)
 
 
+def _check_worker_options(args: argparse.Namespace) -> str | None:
+    """What :func:`run` checks before launching, for a worker of a torchrun started by hand: its world is
+    torchrun's, and the launcher's options are torchrun's own."""
+    if args.device == "cuda" and _gpus("cuda") is None:
+        return _check_nproc(args)  # its message
+    args.nproc, args.nnodes = int(os.environ["WORLD_SIZE"]), 1  # the world, as the checks count it
+    return _check_task_options(args) or _check_out(args.out, args.resume)
+
+
 def _train_or_launch(args: argparse.Namespace) -> int:
     """Train in this process (one process in all), or launch torchrun for the others."""
     if args.nproc == 1 and args.nnodes == 1:
@@ -508,7 +551,7 @@ def _torchrun_command(args: argparse.Namespace) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.master_addr}:{args.master_port}",
             "--rdzv-id=tandem-train",
-            f"--rdzv-conf=join_timeout={args.rdzv_timeout:g},is_host={int(args.node_rank == 0)}",
+            f"--rdzv-conf=join_timeout={args.rdzv_timeout},is_host={int(args.node_rank == 0)}",
         ]
     return [
         sys.executable,
@@ -606,7 +649,7 @@ def _launch(args: argparse.Namespace) -> int:
     if code != 0 and not said:
         where = (
             f" (with {args.nnodes} nodes: a node that failed or never joined ends the run within "
-            f"--rdzv-timeout, {args.rdzv_timeout:g} s)"
+            f"--rdzv-timeout, {args.rdzv_timeout} s)"
             if args.nnodes > 1
             else ""
         )

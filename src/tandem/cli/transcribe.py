@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from tandem.cli._args import positive_int
+from tandem.cli._args import nonempty_path, positive_int
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="recordings to transcribe; - for stdin")
     parser.add_argument(
         "--model",
-        type=Path,
+        type=nonempty_path,
         default=Path("runs/asr/checkpoint.pt"),
         metavar="CHECKPOINT",
         help="checkpoint written by tandem train (default: runs/asr/checkpoint.pt)",

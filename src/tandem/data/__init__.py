@@ -51,6 +51,11 @@ class SequenceData:
         return self.features.shape[0]
 
 
+# The largest class label taken: a label far above the others is a broken file, and the classifier's output
+# layer would take memory for every class below it
+MAX_LABEL = 2**20 - 1
+
+
 def load_npz(path: str | Path) -> SequenceData:
     """Read and validate a data file; errors name the file, the key, what was expected and what came."""
     path = Path(path)
@@ -89,10 +94,14 @@ def load_npz(path: str | Path) -> SequenceData:
         raise ValueError(
             f"--data {path}: expected lengths in [1, {steps}], got [{lengths.min()}, {lengths.max()}]"
         )
-    if labels.min() < 0:
-        raise ValueError(f"--data {path}: expected labels >= 0, got {labels.min()}")
+    if labels.min() < 0 or labels.max() > MAX_LABEL:
+        raise ValueError(
+            f"--data {path}: expected labels from 0 to {MAX_LABEL} (the classifier has an output per class), "
+            f"got [{labels.min()}, {labels.max()}]"
+        )
+    features = features.astype(np.float32)  # float64 beyond float32's range would become inf here
     if not np.isfinite(features).all():
-        raise ValueError(f"--data {path}: expected finite features, found NaN or inf")
+        raise ValueError(f"--data {path}: expected finite float32 features, found NaN, inf or |x| > 3.4e38")
     if "split" in arrays:
         split = need("split", 1, "iub")
         if split.shape[0] != n or not np.isin(split, (0, 1)).all():
@@ -103,7 +112,7 @@ def load_npz(path: str | Path) -> SequenceData:
     if is_test.all() or not is_test.any():
         raise ValueError(f"--data {path}: expected both train and test sequences in 'split'")
     return SequenceData(
-        torch.from_numpy(features.astype(np.float32)),
+        torch.from_numpy(features),
         torch.from_numpy(lengths.astype(np.int64)),
         torch.from_numpy(labels.astype(np.int64)),
         torch.from_numpy(is_test),
