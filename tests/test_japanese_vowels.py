@@ -62,7 +62,7 @@ BAD = {
     "lengths-too-long": ({**GOOD, "lengths": np.array([4, 1, 2, 3])}, r"lengths in \[1, 3\]"),
     "lengths-zero": ({**GOOD, "lengths": np.array([0, 1, 2, 3])}, r"lengths in \[1, 3\]"),
     "labels-count": ({**GOOD, "labels": np.array([0, 1])}, "'labels' of length 4"),
-    "negative-label": ({**GOOD, "labels": np.array([0, -1, 0, 1])}, "labels >= 0"),
+    "negative-label": ({**GOOD, "labels": np.array([0, -1, 0, 1])}, "labels from 0 to 1048575"),
     "nan": ({**GOOD, "features": np.full((4, 3, 2), np.nan, np.float32)}, "finite"),
     "split-values": ({**GOOD, "split": np.array([0, 2, 0, 1])}, "'split'"),
     "no-test": ({**GOOD, "split": np.array([0, 0, 0, 0])}, "both train and test"),
