@@ -99,7 +99,8 @@ def load_npz(path: str | Path) -> SequenceData:
             f"--data {path}: expected labels from 0 to {MAX_LABEL} (the classifier has an output per class), "
             f"got [{labels.min()}, {labels.max()}]"
         )
-    features = features.astype(np.float32)  # float64 beyond float32's range would become inf here
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf here, refused below
+        features = features.astype(np.float32)
     if not np.isfinite(features).all():
         raise ValueError(f"--data {path}: expected finite float32 features, found NaN, inf or |x| > 3.4e38")
     if "split" in arrays:
