@@ -103,6 +103,24 @@ def test_one_pass_transcribes_in_one_pass(setup, capsys, monkeypatch):
     assert asked == [True, False]
 
 
+def test_a_name_with_a_newline_or_tab_is_escaped_and_its_line_marked(setup, capsys, tmp_path):
+    """``path<TAB>text``: a newline in a name split its line in two, a tab moved the text. Such a name is
+    written escaped, its line starting with a backslash (sha256sum's convention); others as they are."""
+    import shutil
+
+    root, files, texts = setup
+    odd = [tmp_path / "two\nlines.wav", tmp_path / "a\\tab\there.wav"]
+    for path, source in zip(odd, files):
+        shutil.copy(source, path)
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), str(odd[0]), files[2], str(odd[1]))
+    assert (code, err) == (0, [])
+    assert out == [
+        f"\\{tmp_path}/two\\nlines.wav\t{texts[0]}",
+        f"{files[2]}\t{texts[2]}",
+        f"\\{tmp_path}/a\\\\tab\\there.wav\t{texts[1]}",
+    ]
+
+
 def test_json_lines(setup, capsys):
     root, files, texts = setup
     code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "--json", *files)

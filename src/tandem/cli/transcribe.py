@@ -1,6 +1,8 @@
 """``tandem transcribe``: recordings in, one line of text per recording out, with a trained recognizer.
 
-Prints ``path<TAB>text`` per file in the order of the arguments (``--json``: one JSON object per line
+Prints ``path<TAB>text`` per file in the order of the arguments (a path holding a newline, a carriage
+return or a tab is written with them and its backslashes escaped, ``\n``, ``\r``, ``\t``, ``\\``, and its
+line starts with a backslash, as ``sha256sum`` writes such names; ``--json``: one JSON object per line
 with ``path``, ``text``, ``audio_seconds`` and ``compute_seconds``, or ``path``, ``text`` null and
 ``error`` for a file that cannot be transcribed). A file that cannot be transcribed
 (missing, not audio, empty, silent) gets one line on stderr naming it, the others are still transcribed,
@@ -111,6 +113,15 @@ def _drop_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _plain_path(path: str) -> str:
+    """``path`` as a ``path<TAB>text`` line starts: as it is, or escaped (see the module docstring) when
+    a newline, carriage return or tab in it would break the line."""
+    if not any(c in path for c in "\n\r\t"):
+        return path
+    escaped = path.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    return "\\" + escaped
+
+
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
@@ -164,7 +175,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 }
                 _emit(json.dumps(record, ensure_ascii=_undecodable(arg)))
             else:
-                _emit(f"{arg}\t{result.text}")
+                _emit(f"{_plain_path(arg)}\t{result.text}")
     except BrokenPipeError:  # `tandem transcribe ... | head`: the reader left; nothing more to say
         _drop_stdout()
         return 1
