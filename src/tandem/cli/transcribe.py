@@ -1,4 +1,4 @@
-"""``tandem transcribe``: recordings in, one line of text per recording out, with a trained recognizer.
+r"""``tandem transcribe``: recordings in, one line of text per recording out, with a trained recognizer.
 
 Prints ``path<TAB>text`` per file in the order of the arguments (a path holding a newline, a carriage
 return or a tab is written with them and its backslashes escaped, ``\n``, ``\r``, ``\t``, ``\\``, and its
