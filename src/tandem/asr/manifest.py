@@ -5,7 +5,7 @@ relative path is relative to the manifest's folder. As NeMo reads them, the opti
 ``duration`` (seconds) pick the part of the file the text belongs to: ``duration`` seconds from
 ``offset`` (default 0), or the rest of the file without ``duration``, so several lines can cut segments
 out of one long recording. Text is lower-cased and its whitespace collapsed, as the alphabet normalises
-it. Lines end at ``\n`` only (JSON text may hold U+2028 and the like), and a UTF-8 byte-order mark is
+it. Lines end at ``\\n`` only (JSON text may hold U+2028 and the like), and a UTF-8 byte-order mark is
 skipped.
 
 :func:`read_manifest` checks every line before training starts and raises one :class:`ManifestError`
