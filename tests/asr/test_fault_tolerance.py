@@ -434,6 +434,7 @@ def test_one_signal_delivered_twice_is_one_stop_request(monkeypatch):
     monkeypatch.setattr(interrupt.os, "_exit", exits.append)
     clock = [100.0]
     monkeypatch.setattr(interrupt.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun worker
     stop = interrupt.StopRequests()
     stop._handle(signal.SIGTERM, None)
     clock[0] += 0.2
@@ -446,3 +447,11 @@ def test_one_signal_delivered_twice_is_one_stop_request(monkeypatch):
     other._handle(signal.SIGTERM, None)
     other._handle(signal.SIGINT, None)
     assert exits[-1] == 128 + signal.SIGINT
+    # a single process (--nproc 1, no torchrun) gets each signal once: a second Ctrl-C within the second
+    # is a second request, and ends it at once (it was taken for the first, delivered twice)
+    monkeypatch.delenv("WORLD_SIZE")
+    alone = interrupt.StopRequests()
+    alone._handle(signal.SIGINT, None)
+    clock[0] += 0.3
+    alone._handle(signal.SIGINT, None)
+    assert exits[-1] == 128 + signal.SIGINT and len(exits) == 3

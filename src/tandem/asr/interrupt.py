@@ -34,7 +34,9 @@ class StopRequests:
     :attr:`signal`), the second ends the process at once. Checkpoints are written atomically, so leaving in
     the middle of one keeps the previous. The same signal again within :attr:`SAME_REQUEST_S` of the first
     is the same request: a signal sent to a whole process tree (Slurm, systemd, ``kill -- -PGID``) reaches
-    a worker twice, directly and forwarded by torchrun, and must not cost the stop's checkpoint.
+    a worker twice, directly and forwarded by torchrun, and must not cost the stop's checkpoint. Only under
+    torchrun (``WORLD_SIZE`` set): a single process (``--nproc 1``) gets each signal once, so a second
+    Ctrl-C within the second is a person's second request, as the launcher takes it.
 
     Example::
 
@@ -48,6 +50,7 @@ class StopRequests:
     def __init__(self) -> None:
         self.signal: int | None = None
         self._first = 0.0
+        self._same_within = self.SAME_REQUEST_S if "WORLD_SIZE" in os.environ else 0.0
 
     def install(self) -> StopRequests:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -56,7 +59,7 @@ class StopRequests:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is not None:
-            if signum == self.signal and time.monotonic() - self._first < self.SAME_REQUEST_S:
+            if signum == self.signal and time.monotonic() - self._first < self._same_within:
                 return  # the same request, delivered twice
             sys.stderr.write(f"tandem train: second {signal.Signals(signum).name}, leaving at once\n")
             os._exit(128 + signum)
