@@ -99,6 +99,19 @@ def test_sigint_stops_after_a_checkpoint_and_resume_continues_exactly(reference,
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
 
 
+def test_sigterm_to_the_launcher_stops_the_run_with_status_130_as_ctrl_c_does(tmp_path):
+    """README: Ctrl-C or SIGTERM, exit status 130 (a single process ended so; the launcher said 143)."""
+    out = tmp_path / "run"
+    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        code = finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 130 and "stopped by a signal after step" in log and "to continue: tandem train" in log, log
+
+
 def test_a_signal_to_one_worker_stops_the_run_with_status_130(tmp_path):
     """SIGTERM to rank 1 alone (an OOM killer's warning, a cluster's preemption of one process): every rank
     stops after the same step with a checkpoint, and the launcher ends with 130 and says how to continue

@@ -645,7 +645,10 @@ def _launch(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        return 128 + received[0] if received else code
+        if received:  # one request: the ranks stopped after a step, with a checkpoint: 130 (EXIT_STOPPED), as
+            # for Ctrl-C so for SIGTERM, as a single process ends; a second ended everything at once
+            return 130 if len(received) == 1 else 128 + received[-1]
+        return code
     if code != 0 and not said:
         where = (
             f" (with {args.nnodes} nodes: a node that failed or never joined ends the run within "
