@@ -135,13 +135,10 @@ def read_audio(
             # opened here, so that any name the system takes works (libsndfile wants UTF-8 paths); a
             # named pipe (<(cmd), /dev/stdin) is read to its end, as it cannot seek
             with open(path, "rb") as f:
-                if path.is_file():
-                    _check_wav_complete(f, label)
-                whole = f if path.is_file() else _complete(_whole(f, label), label)
-                samples, rate = _decode(_unknown_size_read_whole(whole), label, start, frames)
+                whole = f if path.is_file() else _whole(f, label)
+                samples, rate = _decode(_readable(whole, label), label, start, frames)
         else:
-            whole = _complete(_whole(source, label), label)
-            samples, rate = _decode(_unknown_size_read_whole(whole), label, start, frames)
+            samples, rate = _decode(_readable(_whole(source, label), label), label, start, frames)
     except OSError as e:
         raise AudioError(f"{label}: cannot read ({e.strerror or e})") from None
     waveform = torch.from_numpy(np.ascontiguousarray(samples.T))  # [channels, samples]
@@ -194,13 +191,18 @@ def wav_truncation(f: BinaryIO) -> tuple[int, int] | None:
     RF64/BW64, whose 64-bit sizes are in their ds64 chunk), Sony Wave64 and AIFF/AIFC: libsndfile reads any
     of them cut short without a word, as the shorter recording it holds. ``f`` is read from its start and
     left there."""
-    cut = _cut_short(f)
+    cut = _cut_short(_sample_chunk(f))
     return None if cut is None else cut[1:]
 
 
 def truncation_message(f: BinaryIO) -> str | None:
     """What is wrong with a recording cut short (see :func:`wav_truncation`), or None."""
-    cut = _cut_short(f)
+    return _truncation(_sample_chunk(f))
+
+
+def _truncation(found: tuple[bytes, int | None, int, int] | None) -> str | None:
+    """:func:`truncation_message` of what :func:`_sample_chunk` found."""
+    cut = _cut_short(found)
     if cut is None:
         return None
     kind, announced, held = cut
@@ -211,9 +213,9 @@ def truncation_message(f: BinaryIO) -> str | None:
     )
 
 
-def _cut_short(f: BinaryIO) -> tuple[bytes, int, int] | None:
-    """The container, the bytes of samples announced and those held, of a recording cut short."""
-    found = _sample_chunk(f)
+def _cut_short(found: tuple[bytes, int | None, int, int] | None) -> tuple[bytes, int, int] | None:
+    """The container, the bytes of samples announced and those held, of a recording cut short (from what
+    :func:`_sample_chunk` found)."""
     if found is None:
         return None
     kind, announced, held, _ = found
@@ -264,16 +266,14 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
         f.seek(0)
 
 
-def _complete(buffer: io.BytesIO, label: str) -> io.BytesIO:
-    """A pipe's or stream's bytes, read whole, checked as a file is (a recording cut short is refused)."""
-    _check_wav_complete(buffer, label)
-    return buffer
-
-
-def _check_wav_complete(f: BinaryIO, label: str) -> None:
-    problem = truncation_message(f)
+def _readable(f: BinaryIO, label: str) -> BinaryIO:
+    """``f`` as libsndfile is to read it, its header walked once: a recording cut short is refused, a WAV
+    whose data size is a stream's 0 read to its end (:func:`_unknown_size_read_whole`)."""
+    found = _sample_chunk(f)
+    problem = _truncation(found)
     if problem is not None:
         raise AudioError(f"{label}: {problem}")
+    return _unknown_size_read_whole(f, found)
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[int, int]:
@@ -283,14 +283,14 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, int]:
     import soundfile
 
     with open(path, "rb") as f:
-        info = soundfile.info(_unknown_size_read_whole(f))
+        info = soundfile.info(_unknown_size_read_whole(f, _sample_chunk(f)))
     return info.frames, info.samplerate
 
 
-def _unknown_size_read_whole(f: BinaryIO) -> BinaryIO:
+def _unknown_size_read_whole(f: BinaryIO, found: tuple[bytes, int | None, int, int] | None) -> BinaryIO:
     """``f``, or a copy of it whose WAV data size 0 (a stream's placeholder, which libsndfile reads as no
-    samples at all) says 0xFFFFFFFF (another one, which it reads to the end)."""
-    found = _sample_chunk(f)
+    samples at all) says 0xFFFFFFFF (another one, which it reads to the end); ``found``: what
+    :func:`_sample_chunk` found in ``f``."""
     if found is None or found[1] is not None or found[3] < 0 or found[2] <= 0:
         return f
     data = bytearray(f.read())
