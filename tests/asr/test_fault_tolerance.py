@@ -52,14 +52,14 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-def _signal_rank_1(tmp_path: Path, signum: int) -> tuple[Path, int, str]:
-    """A 2-process run whose rank 1 alone gets ``signum`` after the first checkpoint: (its --out, the
-    launcher's exit status, its log)."""
+def _signal_run(tmp_path: Path, signum: int, launcher: bool = False) -> tuple[Path, int, str]:
+    """A 2-process run whose rank 1 alone (or its launcher) gets ``signum`` after the first checkpoint:
+    (its --out, the launcher's exit status, its log)."""
     out = tmp_path / "run"
     proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
     try:
         wait_for(out / "checkpoint-00000005.pt", proc)
-        (victim,) = processes_mentioning(str(out), "LOCAL_RANK=1")
+        (victim,) = [proc.pid] if launcher else processes_mentioning(str(out), "LOCAL_RANK=1")
         os.kill(victim, signum)
     finally:
         code = finish(proc, out)
@@ -67,7 +67,7 @@ def _signal_rank_1(tmp_path: Path, signum: int) -> tuple[Path, int, str]:
 
 
 def test_a_worker_killed_mid_epoch_is_restarted_and_the_run_ends_as_if_not(reference, tmp_path):
-    out, code, log = _signal_rank_1(tmp_path, signal.SIGKILL)
+    out, code, log = _signal_run(tmp_path, signal.SIGKILL)
     assert code == 0, log[-3000:]
     assert "failed (exitcode: -9)" in log and "resuming at step" in log  # torchrun restarted, we resumed
     _assert_same_run(out, reference)
@@ -101,14 +101,7 @@ def test_sigint_stops_after_a_checkpoint_and_resume_continues_exactly(reference,
 
 def test_sigterm_to_the_launcher_stops_the_run_with_status_130_as_ctrl_c_does(tmp_path):
     """README: Ctrl-C or SIGTERM, exit status 130 (a single process ended so; the launcher said 143)."""
-    out = tmp_path / "run"
-    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
-    try:
-        wait_for(out / "checkpoint-00000005.pt", proc)
-        os.kill(proc.pid, signal.SIGTERM)
-    finally:
-        code = finish(proc, out)
-    log = (tmp_path / "log").read_text()
+    _, code, log = _signal_run(tmp_path, signal.SIGTERM, launcher=True)
     assert code == 130 and "stopped by a signal after step" in log and "to continue: tandem train" in log, log
 
 
@@ -116,7 +109,7 @@ def test_a_signal_to_one_worker_stops_the_run_with_status_130(tmp_path):
     """SIGTERM to rank 1 alone (an OOM killer's warning, a cluster's preemption of one process): every rank
     stops after the same step with a checkpoint, and the launcher ends with 130 and says how to continue
     (it once ended with 0, as if the run had finished)."""
-    out, code, log = _signal_rank_1(tmp_path, signal.SIGTERM)
+    out, code, log = _signal_run(tmp_path, signal.SIGTERM)
     assert code == 130, log[-3000:]
     assert "stopped by a signal after step" in log and "to continue: tandem train" in log
     assert not (out / "metrics.json").exists()
