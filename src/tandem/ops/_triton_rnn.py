@@ -235,8 +235,10 @@ class StepGraphs:
     ) -> dict[str, Tensor]:
         entry = self._entries.pop(key, None)
         if entry is None:
-            # plain tensors even when first seen under inference_mode: later calls outside it copy into them
-            with torch.inference_mode(False):
+            # plain tensors even when first seen under inference_mode (later calls outside it copy into
+            # them); leaving inference_mode turns autograd back on, which the recording must not record into
+            # (an out= product of buffers cloned from inputs that require grad fails)
+            with torch.inference_mode(False), torch.no_grad():
                 static = {n: t.clone() for n, t in (reads | updates).items()}
                 static |= {n: torch.empty_like(t) for n, t in (writes | scratch).items()}
                 entry = (static, _record(lambda: loop(static), next(iter(static.values())).device))
@@ -255,8 +257,10 @@ class StepGraphs:
 
 
 def _record(fn, device: torch.device):
-    """``fn``'s launches as a replayable callable: a CUDA graph on GPUs, ``fn`` itself elsewhere."""
+    """``fn``'s launches as a replayable callable: a CUDA graph on GPUs, ``fn`` itself elsewhere. Both
+    run ``fn`` once first, in the caller's context (on a GPU, the warm-up that compiles the kernels)."""
     if device.type != "cuda":
+        fn()
         return fn
     with torch.cuda.device(device):  # the capture and Triton's launches follow the current device
         side = torch.cuda.Stream(device)
