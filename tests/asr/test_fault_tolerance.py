@@ -115,6 +115,30 @@ def test_a_signal_to_one_worker_stops_the_run_with_status_130(tmp_path):
     assert not (out / "metrics.json").exists()
 
 
+def _as_pid_1() -> tuple[str, ...]:
+    """The prefix that runs a command as pid 1 of a pid namespace of its own, as a container's first process
+    runs (skips where that is not allowed: it takes root)."""
+    prefix = ("unshare", "--fork", "--pid", "--mount-proc")
+    if shutil.which("unshare") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare and the right to make a pid namespace")
+    return prefix
+
+
+@pytest.mark.parametrize("extra", [("--nproc", "2")], ids=["nproc-2"])
+def test_a_launcher_that_is_a_containers_first_process_trains(tmp_path, extra):
+    """`docker run IMAGE tandem train` (no --init) makes the launcher pid 1. Its torchrun, and a single
+    process's DataLoader workers, took a parent of pid 1 for a dead parent and exited at once ("the
+    training processes failed, torchrun exit status 1")."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "tandem", "train", *ON_CPU, *extra, *TINY, "--out", str(out)]
+    done = subprocess.run(
+        [*_as_pid_1(), *command, "--master-port", free_port()],
+        capture_output=True, text=True, timeout=300, env=env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert (out / "metrics.json").exists()
+
+
 def test_one_sigterm_delivered_twice_to_the_launcher_is_one_request(monkeypatch):
     """`timeout`, systemd and Slurm send SIGTERM to the process group and forward it to the launcher as
     well: the launcher gets it twice at once, one request passed on once (it once ended everything,

@@ -70,9 +70,12 @@ class StopRequests:
         return signal.Signals(self.signal).name if self.signal else ""
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Have Linux kill this process (SIGKILL) when its parent dies: torchrun starts workers in sessions of
-    their own, so without this a launcher killed outright leaves its workers running. No-op elsewhere."""
+    their own, so without this a launcher killed outright leaves its workers running. No-op elsewhere.
+    ``parent``: the parent's pid, taken before the fork (a ``preexec_fn``, a DataLoader worker's init): if
+    the parent has died already, before the request took effect, this process exits at once. Without it
+    nothing is checked: a parent that is pid 1 may be alive (a container's first process), not init."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -81,5 +84,5 @@ def die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent died before the request took effect
+    if parent is not None and os.getppid() != parent:  # it died before the request took effect
         os._exit(1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import shlex
 import signal
@@ -623,7 +624,10 @@ def _launch(args: argparse.Namespace) -> int:
     )
     # a session of its own: a Ctrl-C in the terminal reaches this launcher only, which passes it on once
     proc = subprocess.Popen(
-        _torchrun_command(args), env=env, start_new_session=True, preexec_fn=die_with_parent
+        _torchrun_command(args),
+        env=env,
+        start_new_session=True,
+        preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )
     on_signal = _LaunchSignals(proc)
     received = on_signal.received
