@@ -5,6 +5,7 @@ nodes, a node that dies. Every run is compared with an uninterrupted run of the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -115,6 +116,40 @@ def test_a_signal_to_one_worker_stops_the_run_with_status_130(tmp_path):
     assert not (out / "metrics.json").exists()
 
 
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_sigterm_to_every_process_with_dataloader_workers_stops_the_run(reference, tmp_path, nproc):
+    """systemd's stop and Slurm's scancel signal every process of the run, DataLoader workers too. torch's
+    workers die of a SIGTERM their rank did not send, and the rank then failed mid-step ("DataLoader worker
+    ... is killed by signal", no stop checkpoint, exit 1). The workers leave the stop to their rank now:
+    the run stops after a step with a checkpoint, exits 130, leaves no process behind and resumes to
+    the uninterrupted run's weights."""
+    out = tmp_path / "run"
+    args = ("--nproc", nproc, *TINY, "--workers", "2", "--out", str(out), "--master-port", free_port())
+    proc = start(*args, log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        tree = processes_mentioning(str(out))
+        assert len(tree) >= 1 + 2 * int(nproc)  # the ranks and their workers (and torchrun)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        proc.wait(120)
+        deadline = time.monotonic() + 30
+        while processes_mentioning(str(out)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_mentioning(str(out))
+    finally:
+        code = finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 130, log[-3000:]
+    assert "stopped by a signal after step" in log and "killed by signal" not in log, log[-3000:]
+    assert 5 <= load_checkpoint(out / "checkpoint.pt")["step"] < 22
+    if nproc == "2":  # the reference's world
+        rest = tandem(*args, "--resume")
+        assert rest.returncode == 0, rest.stderr[-3000:]
+        _assert_same_run(out, reference)
+
+
 def _as_pid_1() -> tuple[str, ...]:
     """The prefix that runs a command as pid 1 of a pid namespace of its own, as a container's first process
     runs (skips where that is not allowed: it takes root)."""
@@ -124,7 +159,9 @@ def _as_pid_1() -> tuple[str, ...]:
     return prefix
 
 
-@pytest.mark.parametrize("extra", [("--nproc", "2")], ids=["nproc-2"])
+@pytest.mark.parametrize(
+    "extra", [("--nproc", "2"), ("--nproc", "1", "--workers", "2")], ids=["nproc-2", "workers"]
+)
 def test_a_launcher_that_is_a_containers_first_process_trains(tmp_path, extra):
     """`docker run IMAGE tandem train` (no --init) makes the launcher pid 1. Its torchrun, and a single
     process's DataLoader workers, took a parent of pid 1 for a dead parent and exited at once ("the

@@ -7,10 +7,18 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["EXIT_FILE_ENV", "StopRequests", "collective_exit", "die_with_parent"]
+__all__ = [
+    "EXIT_FILE_ENV",
+    "LoaderWorkerInit",
+    "StopRequests",
+    "collective_exit",
+    "die_with_parent",
+    "end_workers",
+]
 
 # Where the ranks under tandem train's launcher leave an exit status that a restart would meet again (bad
 # data, a diverged loss, a checkpoint not written): they exit 0 so that torchrun ends instead of
@@ -86,3 +94,37 @@ def die_with_parent(parent: int | None = None) -> None:
         return
     if parent is not None and os.getppid() != parent:  # it died before the request took effect
         os._exit(1)
+
+
+class LoaderWorkerInit:
+    """A DataLoader ``worker_init_fn`` for a rank's workers, which leave stopping to their rank: a SIGINT or
+    SIGTERM sent to the whole process tree (a terminal's Ctrl-C, ``timeout``, systemd, Slurm) reaches them
+    too, and torch's workers die of a SIGTERM their rank did not send, so that the rank failed mid-step
+    where it should have stopped after it with a checkpoint. They ignore both; their rank ends them
+    (:func:`end_workers`), and Linux kills them if it dies. ``then``: called next with the worker's id (the
+    cores of a pinned rank's workers), or None."""
+
+    def __init__(self, then: Callable[[int], None] | None = None) -> None:
+        self.then = then
+        self.rank_pid = os.getpid()  # made in the rank, called in its workers
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        die_with_parent(self.rank_pid)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def end_workers(batches: Iterator) -> None:
+    """End the DataLoader workers of the iterator ``batches`` (no-op for others): asked to finish, then
+    killed if still there. Workers started with :class:`LoaderWorkerInit` ignore the SIGTERM with which
+    multiprocessing ends them at the interpreter's exit, so a rank must end them before it exits."""
+    workers = list(getattr(batches, "_workers", ()))
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()  # the end-of-work message, a join, and torch forgets their pids (its SIGCHLD check)
+    for w in workers:
+        if w.is_alive():  # still busy after the join's timeout: terminate() would be ignored
+            w.kill()
+            w.join()

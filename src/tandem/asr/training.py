@@ -41,7 +41,7 @@ from tandem.asr.decode import greedy_decode
 from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores, rank_threads
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
-from tandem.asr.interrupt import StopRequests, collective_exit, die_with_parent
+from tandem.asr.interrupt import LoaderWorkerInit, StopRequests, collective_exit, die_with_parent, end_workers
 from tandem.asr.manifest import Entry, ManifestError, ManifestSet, read_manifest
 from tandem.asr.metrics import ErrorRates, error_rates
 from tandem.asr.model import TORCH_PARTS, DeepSpeech2, ModelConfig
@@ -384,7 +384,7 @@ class Run:
             return (shares[i] for i in range(len(shares)))
         loader = torch.utils.data.DataLoader(
             shares, batch_size=None, num_workers=workers, prefetch_factor=4,
-            worker_init_fn=None if worker_cores is None else WorkerCores(worker_cores),
+            worker_init_fn=LoaderWorkerInit(None if worker_cores is None else WorkerCores(worker_cores)),
         )  # fmt: skip
         return iter(loader)
 
@@ -766,144 +766,147 @@ def _train(
         return False
 
     steps = run.batches(workers, worker_cores)
-    while run.epoch < config.epochs and not stopped:
-        epoch_start = time.perf_counter()
-        count = len(run.batches_of(run.epoch))
-        bar = tqdm(
-            total=count, initial=run.position, desc=f"epoch {run.epoch + 1}/{config.epochs}",
-            unit="batch", leave=False, disable=not lead,
-        )  # fmt: skip
-        while run.position < count:
-            if checkpointing.every:
-                due = (run.step + 1) % checkpointing.every == 0
-            else:  # rank 0's clock decides; the all-reduce below tells the others
-                due = lead and time.perf_counter() - last_save >= checkpointing.seconds
-            step_loss, n_stop, n_save = run.step_and_sync(
-                next(steps), (float(stop.signal is not None), float(due))
-            )
-            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{run.learning_rate():.3g}")
-            board.scalars(run.step, {"train/loss": step_loss, "train/learning_rate": run.learning_rate()})
-            bar.update()
-            if not math.isfinite(step_loss):  # the same sum on every rank: they all stop here
-                bar.close()
-                board.close()
+    try:
+        while run.epoch < config.epochs and not stopped:
+            epoch_start = time.perf_counter()
+            count = len(run.batches_of(run.epoch))
+            bar = tqdm(
+                total=count, initial=run.position, desc=f"epoch {run.epoch + 1}/{config.epochs}",
+                unit="batch", leave=False, disable=not lead,
+            )  # fmt: skip
+            while run.position < count:
+                if checkpointing.every:
+                    due = (run.step + 1) % checkpointing.every == 0
+                else:  # rank 0's clock decides; the all-reduce below tells the others
+                    due = lead and time.perf_counter() - last_save >= checkpointing.seconds
+                step_loss, n_stop, n_save = run.step_and_sync(
+                    next(steps), (float(stop.signal is not None), float(due))
+                )
+                bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{run.learning_rate():.3g}")
+                board.scalars(run.step, {"train/loss": step_loss, "train/learning_rate": run.learning_rate()})
+                bar.update()
+                if not math.isfinite(step_loss):  # the same sum on every rank: they all stop here
+                    bar.close()
+                    board.close()
+                    if lead:
+                        print(
+                            f"tandem train: error: the loss became {step_loss} at step {run.step} (epoch "
+                            f"{run.epoch + 1}); nothing after it was saved ({_newest_checkpoint(store)}). "
+                            "Lower --lr and start again",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    return 1
+                stopped = stopped or n_stop > 0
+                if run.position < count and (n_save or stopped):  # the epoch's end saves anyway
+                    not_saved = not save()
+                if stopped or not_saved:
+                    break
+            bar.close()
+            if run.position < count:
+                break  # stopped mid-epoch, or a checkpoint not written
+            loss_sum, count = run.end_epoch()
+            train_seconds = time.perf_counter() - epoch_start
+            rates, examples = run.evaluate()
+            record = {
+                "epoch": run.epoch,
+                "step": run.step,
+                "train_loss": loss_sum / count,
+                "test_wer": rates.wer,
+                "test_cer": rates.cer,
+                "test_accuracy": rates.accuracy,
+                "test_words": rates.words,
+                "seconds": time.perf_counter() - epoch_start,
+                "train_seconds": train_seconds,
+                "utterances": count,
+            }
+            run.history.append(record)
+            if not math.isfinite(record["train_loss"]):
                 if lead:
                     print(
-                        f"tandem train: error: the loss became {step_loss} at step {run.step} (epoch "
-                        f"{run.epoch + 1}); nothing after it was saved ({_newest_checkpoint(store)}). Lower "
-                        "--lr and start again",
+                        f"tandem train: error: the loss became {record['train_loss']} in epoch {run.epoch}",
                         file=sys.stderr,
-                        flush=True,
                     )
                 return 1
-            stopped = stopped or n_stop > 0
-            if run.position < count and (n_save or stopped):  # the epoch's end saves anyway
-                not_saved = not save()
-            if stopped or not_saved:
-                break
-        bar.close()
-        if run.position < count:
-            break  # stopped mid-epoch, or a checkpoint not written
-        loss_sum, count = run.end_epoch()
-        train_seconds = time.perf_counter() - epoch_start
-        rates, examples = run.evaluate()
-        record = {
-            "epoch": run.epoch,
-            "step": run.step,
-            "train_loss": loss_sum / count,
-            "test_wer": rates.wer,
-            "test_cer": rates.cer,
-            "test_accuracy": rates.accuracy,
-            "test_words": rates.words,
-            "seconds": time.perf_counter() - epoch_start,
-            "train_seconds": train_seconds,
-            "utterances": count,
-        }
-        run.history.append(record)
-        if not math.isfinite(record["train_loss"]):
             if lead:
                 print(
-                    f"tandem train: error: the loss became {record['train_loss']} in epoch {run.epoch}",
-                    file=sys.stderr,
+                    f"epoch {run.epoch}/{config.epochs}: loss {record['train_loss']:.4f}, "
+                    f"test WER {100 * rates.wer:.2f}% CER {100 * rates.cer:.2f}% "
+                    f"({rates.word_edits}/{rates.words} words), {record['seconds']:.1f} s"
+                    f"  e.g. {examples[0][0]!r} -> {examples[0][1]!r}",
+                    flush=True,
                 )
-            return 1
-        if lead:
-            print(
-                f"epoch {run.epoch}/{config.epochs}: loss {record['train_loss']:.4f}, "
-                f"test WER {100 * rates.wer:.2f}% CER {100 * rates.cer:.2f}% "
-                f"({rates.word_edits}/{rates.words} words), {record['seconds']:.1f} s"
-                f"  e.g. {examples[0][0]!r} -> {examples[0][1]!r}",
-                flush=True,
-            )
-        board.epoch(run.step, record, examples)
-        not_saved = not save()
-        if not_saved:
-            break
-        # a signal that came during the evaluation stops the run here, after that epoch's checkpoint
-        stopped = stopped or group.sum([float(stop.signal is not None)])[0] > 0
+            board.epoch(run.step, record, examples)
+            not_saved = not save()
+            if not_saved:
+                break
+            # a signal that came during the evaluation stops the run here, after that epoch's checkpoint
+            stopped = stopped or group.sum([float(stop.signal is not None)])[0] > 0
 
-    board.close()
-    if not_saved:
-        return EXIT_NOT_SAVED
-    if stopped:
-        if lead:
+        board.close()
+        if not_saved:
+            return EXIT_NOT_SAVED
+        if stopped:
+            if lead:
+                print(
+                    f"tandem train: stopped by a signal after step {run.step} (epoch {run.epoch + 1}, batch "
+                    f"{run.position}); wrote {store.path}. Run the same command with --resume to continue.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return EXIT_STOPPED
+
+        # ru_maxrss is in KiB on Linux; the largest of the ranks'
+        (peak_rss,) = group.max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
+        if not lead:
+            return 0
+        written = ["checkpoint.pt"] if store.path.exists() else []
+        final = run.history[-1] if run.history else {}
+        metrics = {
+            "task": "asr",
+            "test_wer": final.get("test_wer"),
+            "test_cer": final.get("test_cer"),
+            "test_accuracy": final.get("test_accuracy"),
+            "train_loss": final.get("train_loss"),
+            "train_seconds": run.seconds_before,
+            "epochs": len(run.history),
+            "steps": run.step,
+            "world_size": group.world,
+            "peak_rss_mib": round(peak_rss, 1),
+            "device": str(group.device),
+            "config": config.to_dict(),
+            "history": run.history,
+            "tandem_version": tandem.__version__,
+            "torch_version": torch.__version__,
+        }
+        text = json.dumps(metrics, indent=2)
+        name = "metrics.json"
+        try:
+            atomic_write(lambda tmp: tmp.write_text(text + "\n"), out / name)
+            written.append(name)
+            name = "training_curve.png"
+            if run.history and _plot(run.history, out / name):
+                written.append(name)
+        except OSError as e:  # rank 0 alone, after the last collective: the others have ended
             print(
-                f"tandem train: stopped by a signal after step {run.step} (epoch {run.epoch + 1}, batch "
-                f"{run.position}); wrote {store.path}. Run the same command with --resume to continue.",
+                f"tandem train: error: {not_written(out / name, e)}; the run is done and "
+                + (f"wrote {', '.join(written)} to {out}" if written else "wrote nothing more"),
                 file=sys.stderr,
                 flush=True,
             )
-        return EXIT_STOPPED
-
-    # ru_maxrss is in KiB on Linux; the largest of the ranks'
-    (peak_rss,) = group.max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
-    if not lead:
-        return 0
-    written = ["checkpoint.pt"] if store.path.exists() else []
-    final = run.history[-1] if run.history else {}
-    metrics = {
-        "task": "asr",
-        "test_wer": final.get("test_wer"),
-        "test_cer": final.get("test_cer"),
-        "test_accuracy": final.get("test_accuracy"),
-        "train_loss": final.get("train_loss"),
-        "train_seconds": run.seconds_before,
-        "epochs": len(run.history),
-        "steps": run.step,
-        "world_size": group.world,
-        "peak_rss_mib": round(peak_rss, 1),
-        "device": str(group.device),
-        "config": config.to_dict(),
-        "history": run.history,
-        "tandem_version": tandem.__version__,
-        "torch_version": torch.__version__,
-    }
-    text = json.dumps(metrics, indent=2)
-    name = "metrics.json"
-    try:
-        atomic_write(lambda tmp: tmp.write_text(text + "\n"), out / name)
-        written.append(name)
-        name = "training_curve.png"
-        if run.history and _plot(run.history, out / name):
-            written.append(name)
-    except OSError as e:  # rank 0 alone, after the last collective: the others have ended
+            return 1
+        if board.writer is not None:
+            written.append("TensorBoard events")
+        wer = (
+            f"test WER {100 * final['test_wer']:.2f}%, CER {100 * final['test_cer']:.2f}%"
+            if final
+            else "no epochs run"
+        )
         print(
-            f"tandem train: error: {not_written(out / name, e)}; the run is done and "
-            + (f"wrote {', '.join(written)} to {out}" if written else "wrote nothing more"),
-            file=sys.stderr,
+            f"done: {wer} after {len(run.history)} epochs, {run.seconds_before:.1f} s of training "
+            f"({time.perf_counter() - started:.1f} s in this launch); wrote {', '.join(written)} to {out}",
             flush=True,
         )
-        return 1
-    if board.writer is not None:
-        written.append("TensorBoard events")
-    wer = (
-        f"test WER {100 * final['test_wer']:.2f}%, CER {100 * final['test_cer']:.2f}%"
-        if final
-        else "no epochs run"
-    )
-    print(
-        f"done: {wer} after {len(run.history)} epochs, {run.seconds_before:.1f} s of training "
-        f"({time.perf_counter() - started:.1f} s in this launch); wrote {', '.join(written)} to {out}",
-        flush=True,
-    )
-    return 0
+        return 0
+    finally:
+        end_workers(steps)
