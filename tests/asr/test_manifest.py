@@ -325,3 +325,35 @@ def test_a_silent_recording_is_trained_on_with_a_warning(manifests, tmp_path, ca
     )
     with pytest.raises(manifest.AudioError, match=r"NaN or infinite samples \(manifest line 2\)"):
         data.render(plan[1])
+
+
+@pytest.mark.parametrize("which", ["train", "test"])
+def test_a_recording_unreadable_mid_run_ends_it_on_every_rank_with_one_verdict(manifests, tmp_path, which):
+    """The check before the run reads headers: NaN samples in a float WAV are met when a rank reads the
+    recording. That rank failed alone with a traceback, and torchrun restarted the ranks into the same
+    recording until --max-restarts ran out. Now every rank ends after that step (or evaluation) together:
+    exit 2, the file and its line named, no restart, nothing saved of the step."""
+    broken = tmp_path / "nan.wav"
+    samples = np.full(16000, 0.1, dtype=np.float32)
+    samples[100] = np.nan
+    soundfile.write(str(broken), samples, 16000, subtype="FLOAT")
+    paths = {}
+    for name, source in zip(("train", "test"), manifests):
+        lines = [json.loads(line) for line in source.read_text().splitlines()]
+        for line in lines:
+            line["audio_filepath"] = str(source.parent / line["audio_filepath"])
+        if name == which:
+            lines[2]["audio_filepath"] = str(broken)
+        (tmp_path / name).mkdir()
+        paths[name] = _manifest(tmp_path / name, lines)
+    out = tmp_path / "run"
+    done = tandem(
+        "--train-manifest", str(paths["train"]), "--test-manifest", str(paths["test"]), "--nproc", "2",
+        "--threads", "1", "--hidden", "16", "--layers", "1", "--batch-size", "8", "--epochs", "2",
+        "--workers", "1", "--max-restarts", "2", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"{broken}: the recording holds NaN or infinite samples (manifest line 3)" in done.stderr
+    assert "a recording could not be read after step" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout and "resuming" not in done.stdout
+    assert not (out / "metrics.json").exists()

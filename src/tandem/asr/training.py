@@ -17,16 +17,18 @@ import random
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 import tandem
+from tandem.asr.audio import AudioError
 from tandem.asr.augment import Augmentation
 from tandem.asr.batch import Batch, collate
 from tandem.asr.checkpoint import (
@@ -236,7 +238,8 @@ def digit_sets(recordings: Recordings, test_speaker: str | None = None, augment:
 
 class _Shares(torch.utils.data.Dataset):
     """Item ``k``: this rank's collated share of the ``k``-th of ``steps`` ((epoch, position) pairs), with
-    the size of its global batch. Picklable, so DataLoader workers can make the batches."""
+    the size of its global batch and the recordings that could not be read (see :func:`_render`).
+    Picklable, so DataLoader workers can make the batches."""
 
     def __init__(self, run: Run, steps: list[tuple[int, int]]) -> None:
         self.steps = steps
@@ -248,21 +251,47 @@ class _Shares(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.steps)
 
-    def __getitem__(self, k: int) -> tuple[Batch, int]:
+    def __getitem__(self, k: int) -> tuple[Batch, int, list[str]]:
         epoch, position = self.steps[k]
         if self._epoch is None or self._epoch[0] != epoch:
             self._epoch = (epoch, epoch_batches(self.train_set, self.config, epoch, self.world))
         global_batch = self._epoch[1][position]
         mine = _share(global_batch, self.rank, self.world)
+        problems: list[str] = []
         batch = collate(
-            [self.train_set.render(u) for u in mine],
+            _render(self.train_set, mine, problems),
             [u.transcript for u in mine],
             self.logmel,
             self.alphabet,
             self.augmentation,
             [u.seed for u in mine],
         )
-        return batch, len(global_batch)
+        return batch, len(global_batch), problems
+
+
+class BadRecordings(Exception):
+    """Recordings that could not be read during the run, on any rank; raised on every rank alike, after a
+    collective. ``mine``: this rank's messages (each names its file and manifest line)."""
+
+    def __init__(self, mine: list[str]) -> None:
+        super().__init__("; ".join(mine) or "a recording could not be read on another rank")
+        self.mine = mine
+
+
+def _render(data_set: Any, utterances: Sequence, problems: list[str]) -> list[Tensor]:
+    """``data_set.render`` of each utterance. The manifests' check before the run reads headers, not
+    samples: a recording found unreadable now (NaN samples, a file cut short or removed since) adds its
+    message to ``problems`` and stands in as silence, so that this rank still takes its part in the
+    collectives of the step, after which every rank ends the run together (no rank fails alone, and
+    torchrun does not restart the ranks into the same recording)."""
+    audio = []
+    for u in utterances:
+        try:
+            audio.append(data_set.render(u))
+        except AudioError as e:
+            problems.append(str(e))
+            audio.append(torch.zeros(max(1, int(u.length))))
+    return audio
 
 
 class Run:
@@ -369,11 +398,14 @@ class Run:
         done = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * done)))
 
-    def batches(self, workers: int = 0, worker_cores: list[int] | None = None) -> Iterator[tuple[Batch, int]]:
+    def batches(
+        self, workers: int = 0, worker_cores: list[int] | None = None
+    ) -> Iterator[tuple[Batch, int, list[str]]]:
         """This rank's share of every remaining step's global batch, from the current position to the end of
-        the run, as (collated batch, utterances in the global batch). With ``workers`` > 0, DataLoader
-        worker processes read, augment and compute features ahead of the steps, on ``worker_cores`` when
-        given (a pinned rank's: the cores it had before, see :class:`WorkerCores`)."""
+        the run, as (collated batch, utterances in the global batch, the recordings that could not be read).
+        With ``workers`` > 0, DataLoader worker processes read, augment and compute features ahead of the
+        steps, on ``worker_cores`` when given (a pinned rank's: the cores it had before, see
+        :class:`WorkerCores`)."""
         steps = [
             (epoch, position)
             for epoch in range(self.epoch, self.config.epochs)
@@ -436,15 +468,19 @@ class Run:
         )  # fmt: skip
         steps = self.batches()
         while self.position < count:
-            self.step_and_sync(next(steps))
+            batch, size, problems = next(steps)
+            if problems:
+                raise BadRecordings(problems)
+            self.step_and_sync((batch, size))
             bar.update()
         bar.close()
         return self.end_epoch()
 
-    def _test_batches(self, batch_size: int) -> Iterator[Batch]:
-        """This rank's share of the test set, collated in batches of ``batch_size``. The test set has no
-        augmentation: the first evaluation keeps its batches for the next ones, up to
-        :data:`TEST_CACHE_BYTES` of features (a larger test set is read and featurised each time)."""
+    def _test_batches(self, batch_size: int, problems: list[str]) -> Iterator[Batch]:
+        """This rank's share of the test set, collated in batches of ``batch_size``; recordings that could
+        not be read go to ``problems`` (see :func:`_render`). The test set has no augmentation: the first
+        evaluation keeps its batches for the next ones, up to :data:`TEST_CACHE_BYTES` of features (a
+        larger test set is read and featurised each time)."""
         if self._test_cache is not None and self._test_cache[0] == batch_size:
             yield from self._test_cache[1]
             return
@@ -454,7 +490,7 @@ class Run:
         for i in range(0, len(mine), batch_size):
             part = mine[i : i + batch_size]
             batch = collate(
-                [self.test_set.render(u) for u in part],
+                _render(self.test_set, part, problems),
                 [u.transcript for u in part],
                 self.logmel,
                 self.alphabet,
@@ -465,20 +501,25 @@ class Run:
             if kept is not None:
                 kept.append(batch)
             yield batch
-        if kept is not None:
+        if kept is not None and not problems:
             self._test_cache = (batch_size, kept)
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 48) -> tuple[ErrorRates, list[tuple[str, str]]]:
-        """Error rates over the whole test set (summed over ranks) and a few (reference, hypothesis)."""
+        """Error rates over the whole test set (summed over ranks) and a few (reference, hypothesis).
+        Raises :class:`BadRecordings` on every rank if a test recording could not be read on any."""
         self.wrapped.eval()
         refs, hyps = [], []
-        for batch in self._test_batches(batch_size):
+        problems: list[str] = []
+        for batch in self._test_batches(batch_size, problems):
             log_probs, out_frames = self.wrapped(batch.features.to(self.device), batch.frames)
             refs += batch.transcripts
             hyps += greedy_decode(log_probs, out_frames, self.alphabet)
         self.wrapped.train()
-        rates = ErrorRates(*(int(v) for v in self.group.sum(list(error_rates(refs, hyps).as_tuple()))))
+        *sums, unread = self.group.sum([*error_rates(refs, hyps).as_tuple(), float(len(problems))])
+        if unread:
+            raise BadRecordings(problems)
+        rates = ErrorRates(*(int(v) for v in sums))
         return rates, list(zip(refs, hyps))[:: max(1, len(refs) // 4)][:4]
 
 
@@ -765,6 +806,21 @@ def _train(
             )
         return False
 
+    def unreadable(e: BadRecordings) -> int:
+        """The run's end, on every rank, where a recording could not be read: each rank names its own."""
+        for problem in e.mine:
+            print(f"tandem train: error: {problem}", file=sys.stderr, flush=True)
+        if lead:
+            print(
+                f"tandem train: error: a recording could not be read after step {run.step} (the check "
+                f"before the run reads headers only); nothing after the newest checkpoint was saved "
+                f"({_newest_checkpoint(store)}). Mend the recording and run the same command again (with "
+                "--resume where a checkpoint is), or take its line out of the manifest and start a new run",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 2
+
     steps = run.batches(workers, worker_cores)
     try:
         while run.epoch < config.epochs and not stopped:
@@ -779,9 +835,14 @@ def _train(
                     due = (run.step + 1) % checkpointing.every == 0
                 else:  # rank 0's clock decides; the all-reduce below tells the others
                     due = lead and time.perf_counter() - last_save >= checkpointing.seconds
-                step_loss, n_stop, n_save = run.step_and_sync(
-                    next(steps), (float(stop.signal is not None), float(due))
+                batch, size, problems = next(steps)
+                step_loss, n_stop, n_save, n_unread = run.step_and_sync(
+                    (batch, size), (float(stop.signal is not None), float(due), float(len(problems)))
                 )
+                if n_unread:  # the same sum on every rank: they all end here, saving nothing of this step
+                    bar.close()
+                    board.close()
+                    return unreadable(BadRecordings(problems))
                 bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{run.learning_rate():.3g}")
                 board.scalars(run.step, {"train/loss": step_loss, "train/learning_rate": run.learning_rate()})
                 bar.update()
@@ -807,7 +868,11 @@ def _train(
                 break  # stopped mid-epoch, or a checkpoint not written
             loss_sum, count = run.end_epoch()
             train_seconds = time.perf_counter() - epoch_start
-            rates, examples = run.evaluate()
+            try:
+                rates, examples = run.evaluate()
+            except BadRecordings as e:  # raised on every rank
+                board.close()
+                return unreadable(e)
             record = {
                 "epoch": run.epoch,
                 "step": run.step,
