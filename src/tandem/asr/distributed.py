@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -96,6 +99,8 @@ class Group:
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.device = device
+        # how often the ranks meet while rank 0 works alone (see from_lead): well inside the timeout
+        self.heartbeat = min(1.0, timeout / 10)
         if self.world > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
@@ -133,6 +138,39 @@ class Group:
         box = [obj]
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         return box[0]
+
+    def from_lead(self, compute: Callable[[], object]) -> object:
+        """``compute()`` run on rank 0 alone, its result on every rank. While it runs, every rank takes part
+        in a small collective each :attr:`heartbeat` seconds, so no rank waits in one for longer than the
+        collective timeout however long it takes (the check of a manifest of a few hundred thousand
+        recordings takes minutes: the others waited for it in one broadcast and failed after --timeout,
+        and so did every torchrun restart). An exception of ``compute`` is raised on rank 0, and a
+        RuntimeError saying so on the others."""
+        if self.world == 1:
+            return compute()
+        outcome: list = []
+        if self.lead:
+
+            def run() -> None:
+                try:
+                    outcome.append((True, compute()))
+                except BaseException as e:  # raised again below, on this rank
+                    outcome.append((False, e))
+
+            worker = threading.Thread(target=run, name="tandem-from-lead", daemon=True)
+            worker.start()
+        while not self.sum([float(self.lead and not worker.is_alive())])[0]:
+            time.sleep(self.heartbeat)
+        if self.lead:
+            worker.join()
+            ok, value = outcome[0]
+            self.broadcast(ok)
+            if not ok:
+                raise value
+            return self.broadcast(value)
+        if not self.broadcast(None):
+            raise RuntimeError("rank 0 failed while the other ranks waited for it (its error says why)")
+        return self.broadcast(None)
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():

@@ -709,13 +709,14 @@ def _data_sets(config: TrainConfig, group: Group) -> tuple[DataSets | None, str 
     anything is trained or written) and every rank gets its verdict: (data, None) or (None, the error)."""
     if config.train_manifest is None:
         return digit_sets(load_spoken_digits(), config.test_speaker, config.augment), None
-    verdict: tuple[Any, str | None] = (None, None)
-    if group.lead:
+
+    def check() -> tuple[Any, str | None]:
         try:
-            verdict = (manifest_entries(config), None)
+            return manifest_entries(config), None
         except ManifestError as e:
-            verdict = (None, str(e))
-    entries, error = group.broadcast(verdict)  # type: ignore[misc]
+            return None, str(e)
+
+    entries, error = group.from_lead(check)  # type: ignore[misc]
     if error:
         return None, error
     rate = config.features.sample_rate
