@@ -74,6 +74,27 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_the_run_ends_as_if_not(refer
     _assert_same_run(out, reference)
 
 
+def test_one_process_given_max_restarts_is_restarted_and_ends_as_if_not(tmp_path):
+    """--nproc 1 trains in the launcher's own process, which nothing restarts (README said torchrun
+    would); given --max-restarts it runs under torchrun, which restarts it from its checkpoint."""
+    single = tmp_path / "single"
+    done = tandem("--nproc", "1", *TINY, "--out", str(single))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "run"
+    args = ("--nproc", "1", "--max-restarts", "1", *TINY, "--out", str(out), "--master-port", free_port())
+    proc = start(*args, log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        (rank,) = processes_mentioning(str(out), "LOCAL_RANK=0")
+        os.kill(rank, signal.SIGKILL)
+    finally:
+        code = finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 0, log[-3000:]
+    assert "failed (exitcode: -9)" in log and "resuming at step" in log
+    _assert_same_run(out, single)
+
+
 def test_sigint_stops_after_a_checkpoint_and_resume_continues_exactly(reference, tmp_path):
     out = tmp_path / "run"
     args = ("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port())

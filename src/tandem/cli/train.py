@@ -52,6 +52,9 @@ DEFAULTS = {
     },
 }
 
+# torchrun's restarts of failed processes where --max-restarts is not given
+DEFAULT_MAX_RESTARTS = 3
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tandem train``."""
@@ -166,10 +169,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "--max-restarts",
         type=int,
-        default=3,
+        default=None,
         metavar="N",
-        help="torchrun: restart the processes up to N times after one fails; the speech task then "
-        "continues from its newest checkpoint (default: 3)",
+        help=f"torchrun: restart the processes up to N times after one fails; the speech task then "
+        f"continues from its newest checkpoint (default: {DEFAULT_MAX_RESTARTS}). One process on one node "
+        "(--nproc 1) runs without torchrun, and so without restarts, unless N is given",
     )
     launch.add_argument(
         "--rdzv-timeout",
@@ -336,7 +340,7 @@ def _check_manifests(args: argparse.Namespace) -> str | None:
 
 def _check_task_options(args: argparse.Namespace) -> str | None:
     """Why the options do not fit the task, or None (checked before anything is written)."""
-    if args.max_restarts < 0:
+    if args.max_restarts is not None and args.max_restarts < 0:
         return f"--max-restarts: expected a number >= 0, got {args.max_restarts}"
     world = args.nproc * args.nnodes
     if args.batch_size < world:
@@ -532,8 +536,8 @@ def _check_worker_options(args: argparse.Namespace) -> str | None:
 
 
 def _train_or_launch(args: argparse.Namespace) -> int:
-    """Train in this process (one process in all), or launch torchrun for the others."""
-    if args.nproc == 1 and args.nnodes == 1:
+    """Train in this process (one process in all, no restarts asked for), or launch torchrun."""
+    if args.nproc == 1 and args.nnodes == 1 and args.max_restarts is None:
         code = _work(args)
         if code == 130 and args.task == "asr":  # stopped by a signal, after a checkpoint
             print(f"tandem train: stopped; to continue: {_resume_command(args)}", file=sys.stderr, flush=True)
@@ -560,7 +564,7 @@ def _torchrun_command(args: argparse.Namespace) -> list[str]:
         "torch.distributed.run",
         *rendezvous,
         f"--nproc-per-node={args.nproc}",
-        f"--max-restarts={args.max_restarts}",
+        f"--max-restarts={DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts}",
         "-m",
         "tandem",
         "train",
