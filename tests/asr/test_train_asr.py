@@ -97,6 +97,12 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
         (("--warmup-steps", "-1"), "--warmup-steps: expected a number >= 0, got -1"),
         (("--task", "classify", "--test-speaker", "theo"), "--test-speaker: only for --task asr"),
         (("--seed", "-1"), "--seed: expected a seed from 0 to 4294967295, got -1"),
+        # a typo that ended in an allocation traceback after the launch
+        (
+            ("--hidden", "100000000"),
+            "--hidden 100000000, --layers 3, --conv-channels 16: a model of 4.2e+17 ",
+        ),
+        (("--hidden", str(10**12)), "a model too large to count (its sizes overflow)"),
         # a seed numpy or torch cannot take failed after an earlier run had been set aside
         (("--seed", str(2**64)), "--seed: expected a seed from 0 to 4294967295, got 18446744073709551616"),
         (("--nproc", "2", "--batch-size", "1"), "--batch-size: expected at least one utterance per process"),

@@ -363,7 +363,7 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
             return f"--checkpoint-every: expected a number of steps >= 0, got {args.checkpoint_every}"
         if args.workers is not None and args.workers < 0:
             return f"--workers: expected a number >= 0, got {args.workers}"
-        return _check_alphabet(args.alphabet) or _check_manifests(args)
+        return _check_alphabet(args.alphabet) or _check_model_size(args) or _check_manifests(args)
     if args.train_manifest or args.test_manifest or args.alphabet:
         return "--train-manifest, --test-manifest and --alphabet: only for --task asr"
     from tandem.data import JAPANESE_VOWELS, load_npz
@@ -390,6 +390,49 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
 
 # Speech options besides those checked by name above (manifests, --alphabet, --test-speaker)
 _ASR_ONLY = ("augment", "warmup_steps", "checkpoint_every", "keep_checkpoints", "conv_channels", "workers")
+
+
+def _check_model_size(args: argparse.Namespace) -> str | None:
+    """Why the recognizer of these options cannot fit in this machine's memory, or None. Counted on the meta
+    device (nothing allocated): its weights, their gradients and Adagrad's state, three float32 copies per
+    process (a lower bound: activations left out), for this node's processes, against the memory available
+    now (Linux's MemAvailable; one GPU's memory per process on CUDA). A typo such as --hidden 100000000
+    ended in an allocation traceback after the launch."""
+    import torch
+
+    from tandem.asr.model import DeepSpeech2
+
+    sizes = f"--hidden {args.hidden}, --layers {args.layers}, --conv-channels {args.conv_channels}"
+    try:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in DeepSpeech2(asr_config(args).model).parameters())
+    except (RuntimeError, ValueError, OverflowError):  # a size past int64
+        return f"{sizes}: a model too large to count (its sizes overflow)"
+    need = 3 * 4 * count
+    if _gpus(args.device):
+        per, have, where = 1, torch.cuda.get_device_properties(0).total_memory, "one GPU has"
+    else:
+        per = int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc))
+        have, where = _memory_available(), "this machine has"
+    if have is None or per * need <= have:
+        return None
+    return (
+        f"{sizes}: a model of {count:.3g} parameters needs at least {need / 2**30:.3g} GiB per process "
+        f"(weights, gradients and Adagrad's state in float32), {per * need / 2**30:.3g} GiB for "
+        f"{per} process(es); {where} {have / 2**30:.3g} GiB available"
+    )
+
+
+def _memory_available() -> int | None:
+    """Bytes of memory available for new processes (Linux's MemAvailable), or None where not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _check_alphabet(extra: str) -> str | None:
