@@ -17,6 +17,7 @@ import random
 import resource
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -414,11 +415,16 @@ class Run:
         shares = _Shares(self, steps)
         if workers == 0:
             return (shares[i] for i in range(len(shares)))
-        loader = torch.utils.data.DataLoader(
-            shares, batch_size=None, num_workers=workers, prefetch_factor=4,
-            worker_init_fn=LoaderWorkerInit(None if worker_cores is None else WorkerCores(worker_cores)),
-        )  # fmt: skip
-        return iter(loader)
+        with warnings.catch_warnings():
+            if worker_cores is not None and workers <= len(worker_cores):
+                # torch weighs the workers against the cores of the pinned rank (one, say) and warns of
+                # "excessive worker creation", twice; they run on the cores the rank had before
+                warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+            loader = torch.utils.data.DataLoader(
+                shares, batch_size=None, num_workers=workers, prefetch_factor=4,
+                worker_init_fn=LoaderWorkerInit(None if worker_cores is None else WorkerCores(worker_cores)),
+            )  # fmt: skip
+            return iter(loader)
 
     def train_step(self, batch: Batch, global_size: int) -> tuple[float, int]:
         """One optimizer step on this rank's ``batch`` of a global batch of ``global_size`` utterances;
