@@ -103,6 +103,11 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
             "--hidden 100000000, --layers 3, --conv-channels 16: a model of 4.2e+17 ",
         ),
         (("--hidden", str(10**12)), "a model too large to count (its sizes overflow)"),
+        # torchrun retried for a minute, then a traceback
+        (
+            ("--nnodes", "2", "--node-rank", "1", "--master-addr", "no.such.host.invalid"),
+            "--master-addr: expected a host name or address of node 0, got 'no.such.host.invalid' (",
+        ),
         # a seed numpy or torch cannot take failed after an earlier run had been set aside
         (("--seed", str(2**64)), "--seed: expected a seed from 0 to 4294967295, got 18446744073709551616"),
         (("--nproc", "2", "--batch-size", "1"), "--batch-size: expected at least one utterance per process"),

@@ -21,6 +21,7 @@ import functools
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -338,6 +339,21 @@ def _check_manifests(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_master_addr(args: argparse.Namespace) -> str | None:
+    """Why the nodes could not meet at --master-addr, or None: a name that does not resolve (a typo) had
+    torchrun retry for a minute and end in a traceback. One node needs no address (a standalone launch)."""
+    if args.nnodes == 1:
+        return None
+    try:
+        socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:  # socket.gaierror is an OSError; an empty label a UnicodeError
+        reason = getattr(e, "strerror", None) or str(e)
+        return (
+            f"--master-addr: expected a host name or address of node 0, got {args.master_addr!r} ({reason})"
+        )
+    return None
+
+
 def _check_task_options(args: argparse.Namespace) -> str | None:
     """Why the options do not fit the task, or None (checked before anything is written)."""
     if args.max_restarts is not None and args.max_restarts < 0:
@@ -559,7 +575,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _fail(parser, problem)
     if not 0 <= args.node_rank < args.nnodes:
         return _fail(parser, f"--node-rank: expected a value in [0, {args.nnodes - 1}], got {args.node_rank}")
-    problem = _check_out(args.out, args.resume)
+    problem = _check_master_addr(args) or _check_out(args.out, args.resume)
     if problem:
         return _fail(parser, problem)
     with _hold_out(args.out, args.node_rank == 0) as held:
