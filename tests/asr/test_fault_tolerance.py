@@ -228,6 +228,39 @@ def test_one_sigterm_delivered_twice_to_the_launcher_is_one_request(monkeypatch)
     assert person.proc.kills == 1
 
 
+@pytest.mark.parametrize("verdict, expected", [("2", 2), ("130", 130), (None, 0)])
+def test_the_ranks_ending_wins_over_a_signal_that_came_with_it(monkeypatch, tmp_path, verdict, expected):
+    """A SIGTERM reached the launcher while the ranks ended for a recording they could not read (their
+    verdict 2, which every --resume would meet again): the launcher said "stopped; to continue: ...
+    --resume" and exited 130. Their verdict wins now, as does a run that finished (0); a stop is 130."""
+    import argparse
+    import threading
+
+    from tandem.asr.interrupt import EXIT_FILE_ENV
+    from tandem.cli import train as cli_train
+
+    started = tmp_path / "started"
+    write = f"open(os.environ[{EXIT_FILE_ENV!r}], 'w').write('{verdict}')" if verdict else "0"
+    torchrun = f"import os, time; open({str(started)!r}, 'w').close(); time.sleep(2); {write}"
+    monkeypatch.setattr(cli_train, "_torchrun_command", lambda args: [sys.executable, "-c", torchrun])
+    parser = argparse.ArgumentParser()
+    cli_train.add_arguments(parser)
+    args = cli_train._with_defaults(parser.parse_args(["--nproc", "2", "--out", str(tmp_path / "run")]))
+
+    def signal_the_launcher() -> None:
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # to _launch's handler, installed before torchrun started
+
+    thread = threading.Thread(target=signal_the_launcher)
+    thread.start()
+    try:
+        assert cli_train._launch(args) == expected
+    finally:
+        thread.join(30)
+
+
 def test_a_second_sigint_ends_the_run_at_once_and_keeps_the_checkpoints(tmp_path):
     out = tmp_path / "run"
     proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")

@@ -705,7 +705,10 @@ def _launch(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         folder.cleanup()
-    if received or code == 130:  # 130: the ranks stopped for a signal that reached one of them, not us
+    # the ranks' own ending wins over a signal that came with it: a run that finished (0), or that ended for
+    # what a --resume would meet again (a recording it cannot read: 2), is no stop to continue from
+    ended = code == 0 or (said and code != 130)
+    if not ended and (received or code == 130):  # 130: the ranks stopped for a signal that reached one
         if args.task == "asr" and any(args.out.glob("checkpoint*.pt")):
             print(
                 f"tandem train: stopped; to continue: {_resume_command(args)}",
