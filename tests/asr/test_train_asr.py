@@ -103,6 +103,7 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
             "--hidden 100000000, --layers 3, --conv-channels 16: a model of 4.2e+17 ",
         ),
         (("--hidden", str(10**12)), "a model too large to count (its sizes overflow)"),
+        (("--hidden", str(2**62)), "a model too large to count (its sizes overflow)"),
         # torchrun retried for a minute, then a traceback
         (
             ("--nnodes", "2", "--node-rank", "1", "--master-addr", "no.such.host.invalid"),

@@ -422,7 +422,7 @@ def _check_model_size(args: argparse.Namespace) -> str | None:
     try:
         with torch.device("meta"):
             count = sum(p.numel() for p in DeepSpeech2(asr_config(args).model).parameters())
-    except (RuntimeError, ValueError, OverflowError):  # a size past int64
+    except (RuntimeError, ValueError, OverflowError, TypeError):  # a size past int64 (TypeError: past 2**62)
         return f"{sizes}: a model too large to count (its sizes overflow)"
     need = 3 * 4 * count
     if _gpus(args.device):
