@@ -171,6 +171,48 @@ def test_sigterm_to_every_process_with_dataloader_workers_stops_the_run(referenc
         _assert_same_run(out, reference)
 
 
+_WORKER_SIGNALLED_AT_START = """
+import json, os, signal
+import torch
+from torch.utils.data._utils import signal_handling
+from tandem.asr.corpus import load_spoken_digits
+from tandem.asr.distributed import Group
+from tandem.asr.interrupt import end_workers
+from tandem.asr.model import ModelConfig
+from tandem.asr.training import Run, TrainConfig, digit_sets
+
+torch_handlers = signal_handling._set_worker_signal_handlers
+
+def then_a_sigterm(*args):  # in each worker: torch's handlers, then a SIGTERM, before its init runs
+    torch_handlers(*args)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+signal_handling._set_worker_signal_handlers = then_a_sigterm
+config = TrainConfig(model=ModelConfig(hidden=8, layers=1, conv_channels=2), epochs=1)
+run = Run(config, Group(torch.device("cpu"), 10), digit_sets(load_spoken_digits()))
+steps = run.batches(2)
+got = [len(next(steps)[0]) for _ in range(3)]
+end_workers(steps)
+print(json.dumps(got))
+"""
+
+
+def test_a_sigterm_as_a_dataloader_worker_starts_does_not_kill_it():
+    """A SIGTERM to the whole tree just as a rank starts its DataLoader workers (after torch's worker
+    installs its handler, which dies of a SIGTERM its rank did not send, and before LoaderWorkerInit ignores
+    it) killed the worker: the run failed, or hung at exit waiting for the other worker. The workers start
+    with the signals held now, and the one that came is dropped when they ignore it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER_SIGNALLED_AT_START],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [32, 32, 32]
+
+
 def _as_pid_1() -> tuple[str, ...]:
     """The prefix that runs a command as pid 1 of a pid namespace of its own, as a container's first process
     runs (skips where that is not allowed: it takes root)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -18,6 +19,7 @@ __all__ = [
     "collective_exit",
     "die_with_parent",
     "end_workers",
+    "stop_signals_held",
 ]
 
 # Where the ranks under tandem train's launcher leave an exit status that a restart would meet again (bad
@@ -96,6 +98,10 @@ def die_with_parent(parent: int | None = None) -> None:
         os._exit(1)
 
 
+# the signals that ask a run to stop (see StopRequests)
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 class LoaderWorkerInit:
     """A DataLoader ``worker_init_fn`` for a rank's workers, which leave stopping to their rank: a SIGINT or
     SIGTERM sent to the whole process tree (a terminal's Ctrl-C, ``timeout``, systemd, Slurm) reaches them
@@ -109,11 +115,27 @@ class LoaderWorkerInit:
         self.rank_pid = os.getpid()  # made in the rank, called in its workers
 
     def __call__(self, worker_id: int) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        die_with_parent(self.rank_pid)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)  # discards one that came while held (stop_signals_held)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        if os.getppid() == self.rank_pid:  # forked by the rank (not by a forkserver, Python 3.14's default)
+            die_with_parent(self.rank_pid)
         if self.then is not None:
             self.then(worker_id)
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (blocked) in this thread while the block runs; this process gets one
+    that came meanwhile when it ends. Processes forked meanwhile start with them held: torch's DataLoader
+    workers install a SIGTERM handler of their own (which dies of a SIGTERM not sent by their rank) before
+    :class:`LoaderWorkerInit` ignores the signals and lets them through, and a SIGTERM to the whole tree
+    in between killed a worker as the rank started it (or left a worker the rank waited for at exit)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def end_workers(batches: Iterator) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import random
 import resource
@@ -44,7 +45,14 @@ from tandem.asr.decode import greedy_decode
 from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores, rank_threads
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
-from tandem.asr.interrupt import LoaderWorkerInit, StopRequests, collective_exit, die_with_parent, end_workers
+from tandem.asr.interrupt import (
+    LoaderWorkerInit,
+    StopRequests,
+    collective_exit,
+    die_with_parent,
+    end_workers,
+    stop_signals_held,
+)
 from tandem.asr.manifest import Entry, ManifestError, ManifestSet, read_manifest
 from tandem.asr.metrics import ErrorRates, error_rates
 from tandem.asr.model import TORCH_PARTS, DeepSpeech2, ModelConfig
@@ -424,7 +432,14 @@ class Run:
                 shares, batch_size=None, num_workers=workers, prefetch_factor=4,
                 worker_init_fn=LoaderWorkerInit(None if worker_cores is None else WorkerCores(worker_cores)),
             )  # fmt: skip
-            return iter(loader)
+            with stop_signals_held():  # until the workers ignore them (see LoaderWorkerInit)
+                try:
+                    return iter(loader)
+                except BaseException:
+                    # workers it started ignore the SIGTERM with which multiprocessing ends them at exit
+                    for child in multiprocessing.active_children():
+                        child.kill()
+                    raise
 
     def train_step(self, batch: Batch, global_size: int) -> tuple[float, int]:
         """One optimizer step on this rank's ``batch`` of a global batch of ``global_size`` utterances;
@@ -828,8 +843,9 @@ def _train(
             )
         return 2
 
-    steps = run.batches(workers, worker_cores)
+    steps: Iterator = iter(())
     try:
+        steps = run.batches(workers, worker_cores)
         while run.epoch < config.epochs and not stopped:
             epoch_start = time.perf_counter()
             count = len(run.batches_of(run.epoch))
