@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,17 +151,47 @@ def test_bench_cuda_without_cuda(fake_op, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
-def test_train_interrupted_while_its_arguments_are_checked_says_so_and_writes_nothing(
-    monkeypatch, tmp_path, capsys
-):
-    """Ctrl-C while a long manifest is checked (before launch): one line and status 130, no traceback."""
-    from tandem.cli import train as cli_train
+_INTERRUPTED_CHECK = """
+import sys, time
+from tandem.cli import train as cli_train
+from tandem.cli.main import main
 
-    def interrupted(args):
-        raise KeyboardInterrupt
+def check(args):  # takes in a KeyboardInterrupt, as soundfile's C callbacks did when the check read files
+    open(sys.argv[1], "w").close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            return "--train-manifest: a good file blamed"
+    return None
 
-    monkeypatch.setattr(cli_train, "_check_task_options", interrupted)
-    out = tmp_path / "run"
-    assert main(["train", "--nproc", "1", "--out", str(out)]) == 130
-    assert "interrupted while checking the arguments; nothing was written" in capsys.readouterr().err
-    assert not out.exists()
+cli_train._check_task_options = check
+sys.exit(main(["train", "--nproc", "1", "--out", sys.argv[2]]))
+"""
+
+
+def test_train_interrupted_while_its_arguments_are_checked_says_so_and_writes_nothing(tmp_path):
+    """Ctrl-C while a long manifest is checked (before launch): one line and status 130, at once, no
+    traceback. The check runs in a thread of its own: the KeyboardInterrupt, raised inside soundfile's C
+    callbacks, blamed a good file, was lost (the run trained on) or once crashed the launcher."""
+    started, out = tmp_path / "started", tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH")))))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_CHECK, str(started), str(out)],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert proc.returncode == 130, err
+    assert time.monotonic() - signalled < 5  # not after the check's 10 s
+    assert "interrupted while checking the arguments; nothing was written" in err and "blamed" not in err
+    assert "Traceback" not in err and not out.exists()

@@ -25,9 +25,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from tandem.cli._args import nonempty_path, port, positive_float, positive_int, seconds, seed, threads
 
@@ -567,10 +569,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     # Everything a run could trip on is checked before anything is written or launched.
     try:
-        problem = _check_nproc(args) or _check_task_options(args)
+        problem = _in_thread(lambda: _check_nproc(args) or _check_task_options(args))
     except KeyboardInterrupt:  # Ctrl-C while a long manifest is checked: nothing written yet
         print("tandem train: interrupted while checking the arguments; nothing was written", file=sys.stderr)
-        return 130
+        # at once: the interpreter's shutdown beside the check's thread, inside libsndfile, can abort
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     if problem:
         return _fail(parser, problem)
     if not 0 <= args.node_rank < args.nnodes:
@@ -583,6 +588,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if problem:
             return _fail(parser, problem)
         return _train_or_launch(args)
+
+
+T = TypeVar("T")
+
+
+def _in_thread(compute: Callable[[], T]) -> T:
+    """``compute()`` in a thread of its own while this (main) thread waits for it, so that a Ctrl-C lands
+    here and not inside it: the manifests' check reads files through soundfile's C callbacks, which took
+    in a KeyboardInterrupt and blamed a good file, lost the signal (the run trained on), or once crashed
+    (a double free)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, compute()))
+        except BaseException as e:  # raised again below, in this thread
+            outcome.append((False, e))
+
+    thread = threading.Thread(target=run, name="tandem-check", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _check_worker_options(args: argparse.Namespace) -> str | None:
