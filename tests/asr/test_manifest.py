@@ -353,7 +353,7 @@ def test_a_recording_unreadable_mid_run_ends_it_on_every_rank_with_one_verdict(m
         "--workers", "1", "--max-restarts", "2", "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
-    assert f"{broken}: the recording holds NaN or infinite samples (manifest line 3)" in done.stderr
+    assert f"{broken}: the recording holds NaN or infinite samples (--{which}-manifest line 3)" in done.stderr
     assert "a recording could not be read after step" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout and "resuming" not in done.stdout
     assert not (out / "metrics.json").exists()

@@ -230,10 +230,11 @@ class ManifestUtterance:
 class ManifestSet:
     """A manifest's recordings as the training loop takes them: ``plan(seed)`` orders them,
     ``render(u)`` reads one (mono, at the model's rate), as :class:`~tandem.asr.generator.ConnectedDigits`
-    does for the bundled digits."""
+    does for the bundled digits. ``name`` goes before the line number in what it says of a recording (the
+    option that gave the manifest, say)."""
 
-    def __init__(self, entries: Sequence[Entry], sample_rate: int) -> None:
-        self.entries, self.sample_rate = list(entries), sample_rate
+    def __init__(self, entries: Sequence[Entry], sample_rate: int, name: str = "manifest") -> None:
+        self.entries, self.sample_rate, self.name = list(entries), sample_rate, name
         self.ids = list(range(len(self.entries)))
 
     def fingerprint(self) -> str:
@@ -268,13 +269,14 @@ class ManifestSet:
             waveform, rate = read_audio(entry.path, silent_ok=True, start=entry.start, frames=entry.frames)
             audio = to_model_input(waveform, rate, self.sample_rate, name=str(entry.path), silent_ok=True)
         except AudioError as e:
-            raise AudioError(f"{e} (manifest line {entry.line})") from None
+            raise AudioError(f"{e} ({self.name} line {entry.line})") from None
         peak = float(audio.abs().max())
         if peak <= SILENCE_PEAK and entry.path not in _WARNED_SILENT:
             _WARNED_SILENT.add(entry.path)
             print(
-                f"tandem train: warning: {entry.path} (manifest line {entry.line}): a silent recording (peak "
-                f"amplitude {peak:.3g}), trained on as it is; take it out of the manifest for your next run",
+                f"tandem train: warning: {entry.path} ({self.name} line {entry.line}): a silent recording "
+                f"(peak amplitude {peak:.3g}), trained on as it is; take it out of the manifest for your "
+                "next run",
                 file=sys.stderr,
                 flush=True,
             )

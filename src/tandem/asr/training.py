@@ -741,7 +741,10 @@ def _data_sets(config: TrainConfig, group: Group) -> tuple[DataSets | None, str 
     if error:
         return None, error
     rate = config.features.sample_rate
-    return DataSets(ManifestSet(entries[0], rate), ManifestSet(entries[1], rate), 1), None
+    train, test = (
+        ManifestSet(e, rate, f"--{which}-manifest") for e, which in zip(entries, ("train", "test"))
+    )
+    return DataSets(train, test, 1), None
 
 
 def manifest_entries(config: TrainConfig) -> tuple[list[Entry], list[Entry]]:
