@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -12,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tandem.asr.interrupt import Background
 from tandem.ops.syncbn import sum_over_ranks
 
 __all__ = ["Group", "WorkerCores", "pick_device", "pin_to_cores", "rank_threads"]
@@ -148,25 +148,16 @@ class Group:
         RuntimeError saying so on the others."""
         if self.world == 1:
             return compute()
-        outcome: list = []
-        if self.lead:
-
-            def run() -> None:
-                try:
-                    outcome.append((True, compute()))
-                except BaseException as e:  # raised again below, on this rank
-                    outcome.append((False, e))
-
-            worker = threading.Thread(target=run, name="tandem-from-lead", daemon=True)
-            worker.start()
-        while not self.sum([float(self.lead and not worker.is_alive())])[0]:
+        work = Background(compute, "tandem-from-lead") if self.lead else None
+        while not self.sum([float(work is not None and work.done)])[0]:
             time.sleep(self.heartbeat)
-        if self.lead:
-            worker.join()
-            ok, value = outcome[0]
-            self.broadcast(ok)
-            if not ok:
-                raise value
+        if work is not None:
+            try:
+                value = work.result()
+            except BaseException:
+                self.broadcast(False)
+                raise
+            self.broadcast(True)
             return self.broadcast(value)
         if not self.broadcast(None):
             raise RuntimeError("rank 0 failed while the other ranks waited for it (its error says why)")

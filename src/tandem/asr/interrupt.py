@@ -7,6 +7,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from types import FrameType
 
 __all__ = [
     "EXIT_FILE_ENV",
+    "Background",
     "LoaderWorkerInit",
     "StopRequests",
     "collective_exit",
@@ -150,3 +152,43 @@ def end_workers(batches: Iterator) -> None:
         if w.is_alive():  # still busy after the join's timeout: terminate() would be ignored
             w.kill()
             w.join()
+
+
+class Background:
+    """``compute()`` in a daemon thread of its own, while the thread that made this goes on: it gets the
+    signals (Python runs handlers in the main thread only, so a Ctrl-C never lands inside ``compute``) and
+    can take part in collectives meanwhile. :attr:`done`, then :meth:`result`.
+
+    Example::
+
+        >>> work = Background(check_manifests, "tandem-check")
+        >>> while not work.done:
+        ...     work.wait(0.1)
+        >>> problem = work.result()
+    """
+
+    def __init__(self, compute: Callable[[], object], name: str) -> None:
+        self._outcome: list[tuple[bool, object]] = []
+        self._thread = threading.Thread(target=self._run, args=(compute,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, compute: Callable[[], object]) -> None:
+        try:
+            self._outcome.append((True, compute()))
+        except BaseException as e:  # raised again by result(), in the caller's thread
+            self._outcome.append((False, e))
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def result(self) -> object:
+        """What ``compute()`` returned, once it has (or the exception it raised, raised here)."""
+        self._thread.join()
+        ok, value = self._outcome[0]
+        if not ok:
+            raise value  # type: ignore[misc]
+        return value

@@ -25,11 +25,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
 
 from tandem.cli._args import nonempty_path, port, positive_float, positive_int, seconds, seed, threads
 
@@ -590,30 +588,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _train_or_launch(args)
 
 
-T = TypeVar("T")
-
-
-def _in_thread(compute: Callable[[], T]) -> T:
+def _in_thread(compute: Callable[[], object]) -> object:
     """``compute()`` in a thread of its own while this (main) thread waits for it, so that a Ctrl-C lands
     here and not inside it: the manifests' check reads files through soundfile's C callbacks, which took
     in a KeyboardInterrupt and blamed a good file, lost the signal (the run trained on), or once crashed
     (a double free)."""
-    outcome: list = []
+    from tandem.asr.interrupt import Background
 
-    def run() -> None:
-        try:
-            outcome.append((True, compute()))
-        except BaseException as e:  # raised again below, in this thread
-            outcome.append((False, e))
-
-    thread = threading.Thread(target=run, name="tandem-check", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.1)
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    work = Background(compute, "tandem-check")
+    while not work.done:
+        work.wait(0.1)
+    return work.result()
 
 
 def _check_worker_options(args: argparse.Namespace) -> str | None:
