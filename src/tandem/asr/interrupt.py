@@ -1,4 +1,5 @@
-"""Stopping a training run cleanly: signals in the workers, and workers that do not outlive their launcher."""
+"""Stopping a training run cleanly: signals in the workers (and in their DataLoader workers), workers that do
+not outlive their launcher, and work in a thread of its own so that a signal lands in the main thread."""
 
 from __future__ import annotations
 
@@ -128,8 +129,8 @@ class LoaderWorkerInit:
 
 @contextlib.contextmanager
 def stop_signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM held back (blocked) in this thread while the block runs; this process gets one
-    that came meanwhile when it ends. Processes forked meanwhile start with them held: torch's DataLoader
+    """SIGINT and SIGTERM held back (blocked) in this thread while the block runs; one that came meanwhile
+    is delivered when the block ends. Processes forked meanwhile start with them held: torch's DataLoader
     workers install a SIGTERM handler of their own (which dies of a SIGTERM not sent by their rank) before
     :class:`LoaderWorkerInit` ignores the signals and lets them through, and a SIGTERM to the whole tree
     in between killed a worker as the rank started it (or left a worker the rank waited for at exit)."""
