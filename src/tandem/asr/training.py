@@ -831,9 +831,9 @@ def _train(
             )
         return False
 
-    def unreadable(e: BadRecordings) -> int:
+    def unreadable(mine: list[str]) -> int:
         """The run's end, on every rank, where a recording could not be read: each rank names its own."""
-        for problem in e.mine:
+        for problem in mine:
             print(f"tandem train: error: {problem}", file=sys.stderr, flush=True)
         if lead:
             print(
@@ -868,7 +868,7 @@ def _train(
                 if n_unread:  # the same sum on every rank: they all end here, saving nothing of this step
                     bar.close()
                     board.close()
-                    return unreadable(BadRecordings(problems))
+                    return unreadable(problems)
                 bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{run.learning_rate():.3g}")
                 board.scalars(run.step, {"train/loss": step_loss, "train/learning_rate": run.learning_rate()})
                 bar.update()
@@ -898,7 +898,7 @@ def _train(
                 rates, examples = run.evaluate()
             except BadRecordings as e:  # raised on every rank
                 board.close()
-                return unreadable(e)
+                return unreadable(e.mine)
             record = {
                 "epoch": run.epoch,
                 "step": run.step,
