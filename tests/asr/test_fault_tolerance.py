@@ -164,6 +164,9 @@ def test_sigterm_to_every_process_with_dataloader_workers_stops_the_run(referenc
     log = (tmp_path / "log").read_text()
     assert code == 130, log[-3000:]
     assert "stopped by a signal after step" in log and "killed by signal" not in log, log[-3000:]
+    # torchrun leaves the stop to the launcher and the ranks: no traceback of its SignalException, no
+    # SIGTERM of its own (nor its SIGKILL 30 s later) to the ranks writing their checkpoint
+    assert "Traceback" not in log and "death signal" not in log, log[-3000:]
     assert 5 <= load_checkpoint(out / "checkpoint.pt")["step"] < 22
     if nproc == "2":  # the reference's world
         rest = tandem(*args, "--resume")
@@ -195,6 +198,28 @@ got = [len(next(steps)[0]) for _ in range(3)]
 end_workers(steps)
 print(json.dumps(got))
 """
+
+
+def test_a_sigterm_to_the_ranks_as_they_start_stops_the_run_after_its_first_step(tmp_path):
+    """A signal that reaches the ranks while they import (before they take stop requests) waits for them:
+    it killed them, torchrun restarted them, and the run trained to its end (exit 0), the stop lost."""
+    out = tmp_path / "run"
+    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
+    try:
+        deadline = time.monotonic() + 60
+        ranks: list[int] = []
+        while len(ranks) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+            ranks = [pid for r in "01" for pid in processes_mentioning(str(out), f"LOCAL_RANK={r}")]
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+    finally:
+        code = finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 130, log[-3000:]
+    assert "stopped by a signal after step" in log and "failed (exitcode" not in log, log[-3000:]
+    assert not (out / "metrics.json").exists()
 
 
 def test_a_sigterm_as_a_dataloader_worker_starts_does_not_kill_it():

@@ -22,6 +22,8 @@ __all__ = [
     "collective_exit",
     "die_with_parent",
     "end_workers",
+    "release_stop_signals",
+    "start_holding_stop_signals",
     "stop_signals_held",
 ]
 
@@ -47,9 +49,10 @@ class StopRequests:
     :attr:`signal`), the second ends the process at once. Checkpoints are written atomically, so leaving in
     the middle of one keeps the previous. The same signal again within :attr:`SAME_REQUEST_S` of the first
     is the same request: a signal sent to a whole process tree (Slurm, systemd, ``kill -- -PGID``) reaches
-    a worker twice, directly and forwarded by torchrun, and must not cost the stop's checkpoint. Only under
-    torchrun (``WORLD_SIZE`` set): a single process (``--nproc 1``) gets each signal once, so a second
-    Ctrl-C within the second is a person's second request, as the launcher takes it.
+    a worker twice, directly and forwarded by tandem train's launcher (or by a torchrun started by hand),
+    and must not cost the stop's checkpoint. Only under torchrun (``WORLD_SIZE`` set): a single process
+    (``--nproc 1``) gets each signal once, so a second Ctrl-C within the second is a person's second
+    request, as the launcher takes it.
 
     Example::
 
@@ -66,8 +69,11 @@ class StopRequests:
         self._same_within = self.SAME_REQUEST_S if "WORLD_SIZE" in os.environ else 0.0
 
     def install(self) -> StopRequests:
+        """Take SIGINT and SIGTERM from now on; one held back until now (see
+        :func:`start_holding_stop_signals`) arrives here as the first request."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        release_stop_signals()
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -125,6 +131,24 @@ class LoaderWorkerInit:
             die_with_parent(self.rank_pid)
         if self.then is not None:
             self.then(worker_id)
+
+
+def start_holding_stop_signals(parent: int) -> None:
+    """The ``preexec_fn`` of tandem train's torchrun: it dies with its launcher (``parent``'s pid, see
+    :func:`die_with_parent`) and SIGINT and SIGTERM stay blocked in it and, as the mask is inherited, in
+    its workers until they take them (:meth:`StopRequests.install`, :func:`release_stop_signals`). The
+    launcher passes a first signal on to the workers and kills torchrun at a second; a signal sent to
+    every process of the run (systemd, Slurm's scancel, ``kill`` of each pid) made torchrun end with a
+    traceback and terminate the workers, killing them 30 s later whatever they were writing. A worker
+    that gets one before it takes them (still importing) stops after its first step where it died."""
+    die_with_parent(parent)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def release_stop_signals() -> None:
+    """Let SIGINT and SIGTERM through in this thread; one held back (see
+    :func:`start_holding_stop_signals`) is delivered now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import tandem
 from tandem.asr.checkpoint import CheckpointStore, atomic_write
 from tandem.asr.distributed import Group, pick_device, pin_to_cores, rank_threads
-from tandem.asr.interrupt import collective_exit
+from tandem.asr.interrupt import collective_exit, release_stop_signals
 from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
 from tandem.models import SpeechClassifier
 
@@ -79,6 +79,7 @@ def train(args: argparse.Namespace) -> int:
     """Train this rank's part; returns the exit status: 0 done, 1 a loss that became NaN or inf, 2 a
     checkpoint whose settings differ from --resume's (every rank reaches these together; under tandem
     train's launcher they go to its exit-status file instead, see tandem.asr.interrupt.collective_exit)."""
+    release_stop_signals()  # held by tandem train's torchrun; this task takes them as Python does
     device = pick_device(args.device)
     # one core per process when the processes share a machine, each on cores of its own (as the speech
     # task's ranks), before the process group starts its threads

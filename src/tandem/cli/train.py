@@ -691,7 +691,7 @@ def _launch(args: argparse.Namespace) -> int:
     checkpoint and end normally, so torchrun neither restarts them nor reports a failure; a second signal
     ends everything at once (torchrun and, as they die with it, the workers), except the same SIGTERM
     again within :attr:`StopRequests.SAME_REQUEST_S` (one signal to the process group, delivered twice)."""
-    from tandem.asr.interrupt import EXIT_FILE_ENV, die_with_parent
+    from tandem.asr.interrupt import EXIT_FILE_ENV, start_holding_stop_signals
 
     # the ranks' verdict that no restart can change (see tandem.asr.training.train): its exit status
     folder = tempfile.TemporaryDirectory(prefix="tandem-train-")
@@ -706,7 +706,7 @@ def _launch(args: argparse.Namespace) -> int:
         _torchrun_command(args),
         env=env,
         start_new_session=True,
-        preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        preexec_fn=functools.partial(start_holding_stop_signals, os.getpid()),
     )
     on_signal = _LaunchSignals(proc)
     received = on_signal.received
