@@ -86,12 +86,15 @@ def test_an_earlier_runs_files_are_set_aside_not_overwritten(tmp_path):
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"an earlier run's")
     (out / "metrics.json").write_text('{"task": "asr"}')
+    partial = out / ".checkpoint.pt.tmp-99999"  # left by a process killed mid-write: removed
+    partial.write_bytes(b"half a checkpoint")
     done = _tandem("--nproc", "1", "--epochs", "1", "--out", str(out), *SMALL)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"moved to {out / 'previous'}" in done.stdout
     assert (out / "previous" / "checkpoint.pt").read_bytes() == b"an earlier run's"
     assert (out / "previous" / "metrics.json").read_text() == '{"task": "asr"}'
     assert json.loads((out / "metrics.json").read_text()) != {"task": "asr"}
+    assert not partial.exists() and not (out / "previous" / partial.name).exists()
 
 
 def test_single_process_matches_no_torchrun(tmp_path):

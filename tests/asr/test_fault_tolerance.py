@@ -361,6 +361,10 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
     newest = CheckpointStore(out).numbered()[-1]
     with open(newest, "r+b") as f:  # checkpoint.pt is the same file (a hard link): both are damaged
         f.truncate(newest.stat().st_size // 2)
+    # and what a process killed outright in the middle of the next save left (a second Ctrl-C, SIGKILL)
+    partial = [out / ".checkpoint-00000015.pt.tmp-99999", out / ".checkpoint.pt.link-99999"]
+    for p in partial:
+        shutil.copyfile(newest, p)
     rest = tandem(*args, "--resume")
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert (
@@ -368,6 +372,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
     )
     assert "Traceback" not in rest.stdout + rest.stderr
     _assert_same_run(out, reference)
+    assert not any(p.exists() for p in partial)  # removed by the run that holds the folder
 
 
 def test_no_readable_checkpoint_is_a_clear_refusal(tmp_path):

@@ -205,6 +205,20 @@ class CheckpointStore:
                 old.unlink(missing_ok=True)
         return target
 
+    def leftovers(self) -> list[Path]:
+        """The files that processes which died mid-write left in the folder: :func:`atomic_write`'s
+        ``.NAME.tmp-PID`` of checkpoints, metrics and the curve, and :meth:`save`'s
+        ``.checkpoint.pt.link-PID``. A process killed outright (SIGKILL, the OOM killer, a second Ctrl-C,
+        which ends every process at once) leaves them; a run that holds the folder can remove them, as no
+        one else writes there."""
+        written = ("checkpoint*.pt", "metrics.json", "training_curve.png")
+        return sorted(
+            p
+            for pattern in [f".{name}.tmp-*" for name in written] + [f".{self.NAME}.link-*"]
+            for p in self.folder.glob(pattern)
+            if p.is_file() and p.name.rpartition("-")[2].isdigit()
+        )
+
     # what else a run leaves in its folder: set aside with its checkpoints, so that a new run's folder
     # never shows an earlier run's metrics, curves or TensorBoard events beside its own checkpoints
     RUN_FILES = ("metrics.json", "training_curve.png", "events.out.tfevents.*")

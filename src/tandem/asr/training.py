@@ -689,9 +689,12 @@ def _starting_state(
     """Rank 0 decides where the run starts, every rank gets its decision: (checkpoint state or None for a
     fresh start, or an error message). A fresh launch sets the folder's old checkpoints aside (into
     ``previous/``, said on stdout), so a restart by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0) finds
-    only this launch's, and a run started without --resume by mistake loses nothing."""
+    only this launch's, and a run started without --resume by mistake loses nothing. Rank 0 first removes
+    what a process of an earlier launch left half-written there (see :meth:`CheckpointStore.leftovers`)."""
     decision: tuple[dict[str, Any] | None, str | None] = (None, None)
     if group.lead:
+        for partial in store.leftovers():
+            partial.unlink(missing_ok=True)
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if resume or restarted:
             state, path, skipped = store.latest()
