@@ -120,6 +120,45 @@ def test_float64_input_takes_a_narrower_cx_as_torch_does(proj_size: int, packed:
     assert results[1][4].dtype == cx_dtype
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch.backends.mkldnn.flags's
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("proj_size", [0, 3])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("cx_dtype", [torch.float16, torch.bfloat16])
+def test_float32_input_takes_a_narrower_cx_where_torchs_native_cell_runs(
+    onednn: bool, proj_size: int, packed: bool, cx_dtype: torch.dtype
+):
+    # torch's native CPU cell (packed input, a projection, oneDNN off) promotes c_0 in its first step;
+    # oneDNN's (dense float32 input, no projection) refuses it, and so does tandem there
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(5, 7, num_layers=2, bidirectional=True, proj_size=proj_size)
+    ours = tandem.nn.LSTM(5, 7, num_layers=2, bidirectional=True, proj_size=proj_size)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 3, 5)
+    h0 = torch.randn(4, 3, proj_size or 7)
+    c0 = torch.randn(4, 3, 7).to(cx_dtype)
+    results = []
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        for module in (ref, ours):
+            hx = (h0.clone().requires_grad_(), c0.clone().requires_grad_())
+            inp = pack_padded_sequence(x, [4, 2, 3], enforce_sorted=False) if packed else x
+            try:
+                out, (h_n, c_n) = module(inp, hx)
+            except RuntimeError as e:
+                results.append(e)
+                continue
+            out = out.data if packed else out
+            (out.sum() + h_n.square().sum() + c_n.square().sum()).backward()
+            results.append((out, h_n, c_n, hx[0].grad, hx[1].grad))
+    if onednn and not packed and proj_size == 0:
+        assert isinstance(results[0], RuntimeError) and isinstance(results[1], RuntimeError), results
+        return
+    for name, a, b in zip(("output", "h_n", "c_n", "h0.grad", "c0.grad"), *results):
+        assert b.dtype == a.dtype, name
+        torch.testing.assert_close(b, a, msg=name)
+    assert results[1][4].dtype == cx_dtype and results[1][2].dtype == torch.float32
+
+
 def test_float64_input_refuses_a_narrower_hx_as_torch_does():
     hx = (torch.randn(1, 2, 7), torch.randn(1, 2, 7, dtype=torch.float64))
     x = torch.randn(4, 2, 5, dtype=torch.float64)

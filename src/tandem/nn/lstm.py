@@ -177,7 +177,10 @@ class LSTM(RNNLayers):
             raise TypeError(_HX_TENSOR)
         if len(hx) != 2:
             raise RuntimeError("lstm expects two hidden states")
-        hx = (self._autocast_state(hx[0], dtype), _promoted_cx(rows.data, self._autocast_state(hx[1], dtype)))
+        hx = (
+            self._autocast_state(hx[0], dtype),
+            _promoted_cx(rows.data, self._autocast_state(hx[1], dtype), rows.packed, self.proj_size),
+        )
         self._check_devices_and_dtypes(rows.data, {"hx": hx[0], "cx": hx[1]}, weights_now["weight_ih_l0"])
         self._to_rows(rows)
 
@@ -217,18 +220,28 @@ class LSTM(RNNLayers):
         return self._give_output(rows, layer_input), hidden
 
 
-def _promoted_cx(data: Tensor, cx: Tensor) -> Tensor:
+def _promoted_cx(data: Tensor, cx: Tensor, packed: bool, proj_size: int) -> Tensor:
     """``cx`` in the input's dtype where torch.nn.LSTM's own CPU cell takes it in another.
 
-    For float64 CPU input torch runs its native cell (not oneDNN's), whose first step multiplies ``cx``
-    by the float64 forget gate: a ``cx`` of a dtype that promotes to float64 (float32, say) is taken and
-    ``c_n`` comes out float64. Casting it first gives the same numbers (the widening is exact) and its
-    gradient flows back in its own dtype, as torch's does. Everywhere else a dtype unlike the input's is
-    refused, as torch's cells refuse it.
+    Where torch runs its native cell on the CPU (float64 input; float32 input that is packed, or with a
+    projection, or with oneDNN off), the first step multiplies ``cx`` by the forget gate: a ``cx`` of a
+    dtype that promotes to the input's (float32 or float16 for float64 input; float16 or bfloat16 for
+    float32) is taken and ``c_n`` comes out in the input's dtype. Casting it first gives the same numbers
+    (the widening is exact) and its gradient flows back in its own dtype, as torch's does. Everywhere
+    else a dtype unlike the input's is refused, as torch's cells refuse it (oneDNN's, which runs dense
+    float32 input without a projection, among them).
     """
+    onednn = (
+        data.dtype == torch.float32
+        and not packed
+        and proj_size == 0
+        and torch.backends.mkldnn.is_available()
+        and torch._C._get_mkldnn_enabled()
+    )
     if (
         data.device.type == "cpu"
-        and data.dtype == torch.float64
+        and data.dtype in (torch.float32, torch.float64)
+        and not onednn
         and cx.dtype != data.dtype
         and cx.is_floating_point()
         and torch.promote_types(cx.dtype, data.dtype) == data.dtype
