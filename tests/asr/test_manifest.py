@@ -249,6 +249,63 @@ def test_a_manifest_with_fewer_recordings_than_processes_is_refused(manifests, t
     assert not out.exists()
 
 
+_RANK_0 = """
+import json, os, sys, argparse
+import tandem.asr.training as training
+from tandem.cli import train as cli_train
+
+def check_again(*args, **kwargs):
+    raise AssertionError("checked again")
+
+parser = argparse.ArgumentParser()
+cli_train.add_arguments(parser)
+config = cli_train.asr_config(cli_train._with_defaults(parser.parse_args(sys.argv[1:])))
+real, training.read_manifest = training.read_manifest, check_again
+train, test = training.manifest_entries(config)  # the launcher's
+os.utime(config.test_manifest)  # the manifest changed: checked again
+try:
+    training.manifest_entries(config)
+    again = False
+except AssertionError:
+    again = True
+training.read_manifest = real
+fresh = training.manifest_entries(config)
+with open(os.environ["RESULT"], "w") as f:
+    json.dump([len(train), len(test), again, [train, test] == list(fresh)], f)
+"""
+
+
+def test_the_ranks_take_the_entries_the_launcher_checked(manifests, tmp_path, monkeypatch):
+    """Rank 0 read every recording's header again after the launcher had (~50 s each for LibriSpeech's
+    281k lines, at every launch and restart); it takes the launcher's entries while the manifests stay
+    as they were, through the launcher's options as the ranks get them."""
+    import argparse
+    import sys
+
+    from tandem.cli import train as cli_train
+
+    train, test = manifests
+    result = tmp_path / "result.json"
+    monkeypatch.setenv("RESULT", str(result))
+    monkeypatch.setattr(
+        cli_train,
+        "_torchrun_command",
+        lambda args: [sys.executable, "-c", _RANK_0, *cli_train._worker_argv(args)],
+    )
+    parser = argparse.ArgumentParser()
+    cli_train.add_arguments(parser)
+    argv = ["--train-manifest", str(train), "--test-manifest", str(test), "--nproc", "2", "--hidden", "64"]
+    args = cli_train._with_defaults(parser.parse_args([*argv, "--out", str(tmp_path / "run")]))
+    assert cli_train._check_manifests(args) is None
+    import tandem.asr.training as training
+
+    with monkeypatch.context() as patch:  # one process (--nproc 1) trains in the launcher's: checked there
+        patch.setattr(training, "read_manifest", lambda *a, **k: pytest.fail("checked again"))
+        assert training.manifest_entries(cli_train.asr_config(args)) == args.checked_manifests
+    assert cli_train._launch(args) == 0
+    assert json.loads(result.read_text()) == [40, 8, True, True]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -14,6 +14,7 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import random
 import resource
 import sys
@@ -750,8 +751,28 @@ def _data_sets(config: TrainConfig, group: Group) -> tuple[DataSets | None, str 
     return DataSets(train, test, 1), None
 
 
+# A file where tandem train's launcher left the manifests' entries it checked (see manifest_entries)
+CHECKED_MANIFESTS_ENV = "TANDEM_TRAIN_CHECKED_MANIFESTS"
+
+
 def manifest_entries(config: TrainConfig) -> tuple[list[Entry], list[Entry]]:
-    """Both manifests of ``config``, checked (raises :class:`~tandem.asr.manifest.ManifestError`)."""
+    """Both manifests of ``config``, checked (raises :class:`~tandem.asr.manifest.ManifestError`). Where
+    tandem train's launcher checked them already (``CHECKED_MANIFESTS_ENV`` names the file of
+    :func:`save_checked_manifests`) and neither manifest has changed since, its entries: rank 0 checked
+    every line again, as long again as the launcher's check (~50 s for LibriSpeech's 281k lines), at
+    every launch and every restart."""
+    key = _manifests_key(config)
+    if key is not None and key in _CHECKED:  # by this process: the launcher's check of a one-process run
+        return _CHECKED[key]
+    saved = os.environ.get(CHECKED_MANIFESTS_ENV)
+    if saved and key is not None:
+        try:
+            with open(saved, "rb") as f:
+                saved_key, entries = pickle.load(f)
+            if saved_key == key:
+                return entries
+        except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError):
+            pass  # checked here instead
     alphabet = Alphabet(config.alphabet)
     train = read_manifest(
         config.train_manifest, alphabet, config.features, config.model, what="--train-manifest"
@@ -759,7 +780,34 @@ def manifest_entries(config: TrainConfig) -> tuple[list[Entry], list[Entry]]:
     test = read_manifest(
         config.test_manifest, alphabet, config.features, config.model, what="--test-manifest"
     )
+    if key is not None:
+        _CHECKED[key] = (train, test)
     return train, test
+
+
+# the manifests this process checked, by _manifests_key
+_CHECKED: dict[tuple, tuple[list[Entry], list[Entry]]] = {}
+
+
+def save_checked_manifests(config: TrainConfig, entries: tuple[list[Entry], list[Entry]], path: Path) -> None:
+    """Keep ``entries``, :func:`manifest_entries` of ``config``, in ``path`` for the ranks to reuse (as
+    long as the manifests stay as they are: their paths, sizes and modification times, with the
+    alphabet, features and model that the check depends on)."""
+    with open(path, "wb") as f:
+        pickle.dump((_manifests_key(config), entries), f)
+
+
+def _manifests_key(config: TrainConfig) -> tuple | None:
+    """What a manifest check's result depends on, or None if a manifest cannot be found."""
+    try:
+        files = tuple(
+            (str(Path(m).resolve()), st.st_size, st.st_mtime_ns)
+            for m in (config.train_manifest, config.test_manifest)
+            for st in [os.stat(m)]
+        )
+    except (OSError, TypeError, ValueError):
+        return None
+    return (files, config.alphabet, repr(config.features), repr(config.model))
 
 
 def _train(

@@ -324,6 +324,7 @@ def _check_manifests(args: argparse.Namespace) -> str | None:
         train, test = manifest_entries(asr_config(args))
     except ManifestError as e:
         return str(e)
+    args.checked_manifests = (train, test)  # for the ranks (see _launch)
     # every process takes a share of each global batch and of the test set (a process with none would
     # wait for the others' collectives)
     world = args.nproc * args.nnodes
@@ -701,6 +702,14 @@ def _launch(args: argparse.Namespace) -> int:
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
         **{EXIT_FILE_ENV: str(exit_file), _OUT_HELD_ENV: "1"},
     )
+    if getattr(args, "checked_manifests", None) is not None:
+        # rank 0 takes the entries checked here instead of reading every recording's header again (at
+        # every launch and restart), where the manifests have not changed since
+        from tandem.asr.training import CHECKED_MANIFESTS_ENV, save_checked_manifests
+
+        checked = Path(folder.name) / "manifests.pickle"
+        save_checked_manifests(asr_config(args), args.checked_manifests, checked)
+        env[CHECKED_MANIFESTS_ENV] = str(checked)
     # a session of its own: a Ctrl-C in the terminal reaches this launcher only, which passes it on once
     proc = subprocess.Popen(
         _torchrun_command(args),
