@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 import tandem
 
@@ -538,3 +539,66 @@ def test_packed_stack_under_torch_compile_as_torchs(torch_cls, tandem_cls):
     expected.square().sum().backward()
     for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def _hand_built(data_rows: int, batch_sizes: list | torch.Tensor, **indices) -> PackedSequence:
+    sizes = (
+        batch_sizes if isinstance(batch_sizes, torch.Tensor) else torch.tensor(batch_sizes, dtype=torch.long)
+    )
+    return PackedSequence(torch.randn(data_rows, 5, dtype=torch.float64), sizes, **indices)
+
+
+HAND_BUILT = {
+    "steps of none at the end": lambda: _hand_built(3, [2, 1, 0, 0]),
+    "steps of none, unsorted": lambda: _hand_built(
+        3, [2, 1, 0], sorted_indices=torch.tensor([1, 0]), unsorted_indices=torch.tensor([1, 0])
+    ),
+    "no sequences": lambda: _hand_built(0, [0]),
+    "increasing": lambda: _hand_built(5, [2, 3]),
+    "negative": lambda: _hand_built(1, [2, -1]),
+    "fewer rows": lambda: _hand_built(3, [2, 2]),
+    "int32": lambda: _hand_built(4, torch.tensor([2, 2], dtype=torch.int32)),
+    "float": lambda: _hand_built(4, torch.tensor([2.0, 2.0])),
+    "2-D": lambda: _hand_built(4, torch.tensor([[2, 2]])),
+    "empty": lambda: _hand_built(0, []),
+}
+
+
+@pytest.mark.parametrize("case", HAND_BUILT)
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_hand_built_packed_sequences_as_torch_takes_them(torch_cls, tandem_cls, case):
+    """A PackedSequence built by hand: torch's results where torch's layers compute (steps of no sequences
+    at the end, which they compute through), torch's exception types where they raise (tandem raised
+    ValueError for all, and refused the steps of none)."""
+    kwargs = dict(num_layers=2, bidirectional=True, dtype=torch.float64)
+    ref, ours = torch_cls(5, 6, **kwargs), tandem_cls(5, 6, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    torch.manual_seed(0)
+    packed = HAND_BUILT[case]()
+    results = []
+    for module in (ref, ours):
+        data = packed.data.clone().requires_grad_()
+        try:
+            out, hidden = module(packed._replace(data=data))
+        except Exception as e:
+            results.append(e)
+            continue
+        (out.data.square().sum() + _states_sum(hidden)).backward()
+        results.append((out.data, out.batch_sizes, _states_sum(hidden), data.grad))
+    expected, got = results
+    if isinstance(expected, Exception):
+        assert type(got) is type(expected), (expected, got)
+        return
+    assert not isinstance(got, Exception), got
+    assert torch.equal(got[1], expected[1])
+    for name, a, b in zip(("output", "batch_sizes", "states", "input grad"), expected, got):
+        torch.testing.assert_close(b, a, msg=name)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_packed_data_with_rows_beyond_the_batch_sizes_is_refused(torch_cls, tandem_cls):
+    """torch's LSTM raises, its GRU computes over the first sum(batch_sizes) rows and leaves the rest: both
+    of tandem's raise the LSTM's RuntimeError, naming the two counts."""
+    packed = _hand_built(6, [2, 2])
+    with pytest.raises(RuntimeError, match=r"PackedSequence.data of sum\(batch_sizes\) = 4 rows, got 6"):
+        tandem_cls(5, 6, dtype=torch.float64)(packed)

@@ -57,6 +57,7 @@ class Rows:
     sorted_indices: Tensor | None = None
     unsorted_indices: Tensor | None = None
     checked: Tensor | None = None  # what torch's check_forward_args looks at (input or packed data)
+    given_batch_sizes: Tensor | None = None  # a PackedSequence's own, where ``batch_sizes`` drops its 0s
 
 
 class RNNLayers(torch.nn.RNNBase):
@@ -240,6 +241,9 @@ class RNNLayers(torch.nn.RNNBase):
         """Unpack a PackedSequence, or check a padded input's dims and unsqueeze an unbatched one."""
         if isinstance(input, PackedSequence):
             data, batch_sizes, sorted_indices, unsorted_indices = input
+            given = batch_sizes
+            if not torch.compiler.is_compiling():
+                batch_sizes = self._checked_batch_sizes(data, batch_sizes)
             if sorted_indices is not None and torch.compiler.is_compiling():
                 # the number of sequences as a shape: reading batch_sizes[0] would break torch.compile's
                 # graph here, and across a break dynamo cannot rebuild a PackedSequence the caller made
@@ -247,7 +251,9 @@ class RNNLayers(torch.nn.RNNBase):
                 mini_batch = sorted_indices.shape[0]
             else:
                 mini_batch = int(batch_sizes[0])
-            return Rows(data, batch_sizes, mini_batch, True, True, 1, sorted_indices, unsorted_indices, data)
+            rows = Rows(data, batch_sizes, mini_batch, True, True, 1, sorted_indices, unsorted_indices, data)
+            rows.given_batch_sizes = given
+            return rows
         if input.dim() not in (2, 3):
             raise ValueError(f"{self.mode}: Expected input to be 2D or 3D, got {input.dim()}D instead")
         batched = input.dim() == 3
@@ -255,6 +261,36 @@ class RNNLayers(torch.nn.RNNBase):
         if not batched:
             input = input.unsqueeze(batch_dim)
         return Rows(input, None, input.size(batch_dim), False, batched, batch_dim, checked=input)
+
+    def _checked_batch_sizes(self, data: Tensor, batch_sizes: Tensor) -> Tensor:
+        """A hand-built PackedSequence's ``batch_sizes`` checked against its ``data`` (what
+        pack_padded_sequence makes passes), with the exception types of torch's layers; steps of no
+        sequences at its end, which torch's layers compute through, dropped."""
+        if batch_sizes.dim() != 1 or batch_sizes.is_floating_point() or batch_sizes.is_complex():
+            raise TypeError(
+                f"{self.mode}: expected PackedSequence.batch_sizes as a 1-D int64 tensor, got a "
+                f"{batch_sizes.dim()}-D {batch_sizes.dtype} one"
+            )
+        if batch_sizes.dtype != torch.long or batch_sizes.device.type != "cpu":
+            raise RuntimeError(
+                f"{self.mode}: expected PackedSequence.batch_sizes as an int64 CPU tensor (as "
+                f"pack_padded_sequence makes it), got {batch_sizes.dtype} on {batch_sizes.device}"
+            )
+        sizes = batch_sizes.tolist()
+        steps = len(sizes)
+        while steps > 1 and sizes[steps - 1] == 0:
+            steps -= 1
+        if any(n < 0 for n in sizes) or any(a < b for a, b in zip(sizes, sizes[1:])):
+            raise RuntimeError(
+                f"{self.mode}: expected PackedSequence.batch_sizes non-increasing and not negative (the "
+                f"sequences sorted by decreasing length), got {sizes}"
+            )
+        if sum(sizes) != data.shape[0]:
+            raise RuntimeError(
+                f"{self.mode}: expected PackedSequence.data of sum(batch_sizes) = {sum(sizes)} rows, got "
+                f"{data.shape[0]}"
+            )
+        return batch_sizes[:steps] if steps < len(sizes) else batch_sizes
 
     def _to_rows(self, rows: Rows) -> None:
         """A padded batch is a packed one whose sequences all have length T: time-major rows."""
@@ -302,7 +338,7 @@ class RNNLayers(torch.nn.RNNBase):
     def _give_output(self, rows: Rows, output: Tensor) -> Tensor | PackedSequence:
         """The last layer's rows ``[P, D*H]`` in the form of the input."""
         if rows.packed:
-            return PackedSequence(output, rows.batch_sizes, rows.sorted_indices, rows.unsorted_indices)
+            return PackedSequence(output, rows.given_batch_sizes, rows.sorted_indices, rows.unsorted_indices)
         out = output.view(rows.batch_sizes.numel(), rows.mini_batch, output.shape[-1])
         if self.batch_first:
             out = out.transpose(0, 1)
