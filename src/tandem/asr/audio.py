@@ -323,7 +323,11 @@ def _check_samples(
         raise AudioError(f"{label}: empty recording (0 samples)")
     peak = float(waveform.abs().max())
     if not math.isfinite(peak):
-        raise AudioError(f"{label}: the recording holds NaN or infinite samples")
+        # (a 64-bit float file's finite samples beyond float32's range are read as infinite)
+        raise AudioError(
+            f"{label}: the recording holds NaN or infinite samples, or 64-bit float samples beyond float32's "
+            f"range of ±{torch.finfo(torch.float32).max:.3g}"
+        )
     if silent_ok:
         return peak
     loudest = float(channels.abs().max()) if channels is not None and channels.shape[0] > 1 else 0.0
@@ -418,7 +422,12 @@ def to_model_input(
             )
         offset, scale = _PCM_SCALE[x.dtype]
         x = (x.to(torch.float64) - offset) / scale
-    x = x.detach().to(torch.float32)
+    x = x.detach()
+    if x.dtype == torch.float64 and x.numel():
+        peak = float(x.abs().max())
+        if math.isfinite(peak) and peak > torch.finfo(torch.float32).max:
+            x = x / peak  # beyond float32's range: scaled here, as float32 samples above LOUDEST are below
+    x = x.to(torch.float32)
     mono = x.mean(0) if x.dim() == 2 else x  # [samples]
     peak = _check_samples(mono, name, x if x.dim() == 2 else None, silent_ok)
     if peak > LOUDEST:
