@@ -250,3 +250,32 @@ def test_resume_from_a_file_that_is_no_classify_checkpoint_is_one_error(tmp_path
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"tandem train: error: --resume: {out / 'checkpoint.pt'}: cannot resume from it" in done.stderr
     assert "Traceback" not in done.stderr and done.stdout.count("tandem train: GRU") <= 1
+
+
+@pytest.mark.parametrize("to", ["launcher", "every process"])
+def test_a_sigterm_stops_the_run_at_once_with_status_130(tmp_path, to):
+    """The classifier's ranks die of a SIGINT or SIGTERM (Python's default): passed on by the launcher
+    alone, torchrun restarted them and the run trained to its end with status 0. The launcher ends
+    everything at once now and exits 130; nothing is left running."""
+    import signal
+    import time
+
+    from asr._cli import finish, processes_mentioning, start, wait_for
+
+    out = tmp_path / "run"
+    args = ("--task", "classify", "--nproc", "2", "--epochs", "100000", *SMALL, "--out", str(out))
+    proc = start(*args, "--master-port", free_port(), log=tmp_path / "log")
+    try:
+        wait_for(out / "checkpoint.pt", proc)
+        for pid in [proc.pid] if to == "launcher" else processes_mentioning(str(out)):
+            os.kill(pid, signal.SIGTERM)
+        code = proc.wait(60)
+        deadline = time.monotonic() + 30
+        while processes_mentioning(str(out)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_mentioning(str(out))
+    finally:
+        finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 130, log[-3000:]
+    assert "done:" not in log and "SIGTERM: stopping at once" in log, log[-3000:]

@@ -200,19 +200,24 @@ print(json.dumps(got))
 """
 
 
+def _starting_ranks(out: Path, proc: subprocess.Popen) -> list[int]:
+    """The pids of both ranks of the run into ``out``, as soon as they exist (they are importing)."""
+    deadline = time.monotonic() + 60
+    ranks: list[int] = []
+    while len(ranks) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+        ranks = [pid for r in "01" for pid in processes_mentioning(str(out), f"LOCAL_RANK={r}")]
+    return ranks
+
+
 def test_a_sigterm_to_the_ranks_as_they_start_stops_the_run_after_its_first_step(tmp_path):
     """A signal that reaches the ranks while they import (before they take stop requests) waits for them:
     it killed them, torchrun restarted them, and the run trained to its end (exit 0), the stop lost."""
     out = tmp_path / "run"
     proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
     try:
-        deadline = time.monotonic() + 60
-        ranks: list[int] = []
-        while len(ranks) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
-            ranks = [pid for r in "01" for pid in processes_mentioning(str(out), f"LOCAL_RANK={r}")]
-        for pid in ranks:
+        for pid in _starting_ranks(out, proc):
             os.kill(pid, signal.SIGTERM)
     finally:
         code = finish(proc, out)
@@ -220,6 +225,79 @@ def test_a_sigterm_to_the_ranks_as_they_start_stops_the_run_after_its_first_step
     assert code == 130, log[-3000:]
     assert "stopped by a signal after step" in log and "failed (exitcode" not in log, log[-3000:]
     assert not (out / "metrics.json").exists()
+
+
+def test_a_rank_killed_as_the_ranks_start_is_restarted_at_once(reference, tmp_path):
+    """torchrun ends the other rank with a SIGTERM before it restarts the group: that one, held while the
+    rank imported, was taken for a stop request, and the rank waited for the others' step until torchrun
+    killed it 30 s later. It ends at once now, and the restarted group trains the uninterrupted run."""
+    out = tmp_path / "run"
+    args = ("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port())
+    proc = start(*args, log=tmp_path / "log")
+    try:
+        survivor, victim = _starting_ranks(out, proc)
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        while Path(f"/proc/{survivor}").exists() and time.monotonic() - killed < 60:
+            if (Path(f"/proc/{survivor}/stat").read_text().rsplit(")", 1)[1].split() or ["Z"])[0] == "Z":
+                break
+            time.sleep(0.05)
+        ended_after = time.monotonic() - killed
+    finally:
+        code = finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 0 and ended_after < 15, (ended_after, log[-3000:])
+    _assert_same_run(out, reference)
+
+
+def test_a_second_ctrl_c_as_the_ranks_start_leaves_no_process(tmp_path):
+    """The launcher killed torchrun before the ranks had asked to die with it: they lived on, orphaned,
+    retrying the dead torchrun's store (minutes). It kills them too, and a rank whose torchrun died
+    before it asked leaves by itself (tandem.asr.interrupt.die_with_torchrun)."""
+    out = tmp_path / "run"
+    proc = start("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port(), log=tmp_path / "log")
+    try:
+        _starting_ranks(out, proc)
+        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signal.SIGINT)
+        code = proc.wait(30)
+        deadline = time.monotonic() + 20
+        while processes_mentioning(str(out)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = processes_mentioning(str(out))
+    finally:
+        finish(proc, out)
+    assert code == 130 and not left, (code, left)
+
+
+_DIES_WITH_TORCHRUN = """
+import os, subprocess, sys
+if sys.argv[1] == "rank":
+    from tandem.asr.interrupt import die_with_torchrun
+    die_with_torchrun()
+    print("alive")
+else:  # torchrun, between the launcher (this test) and its rank
+    sys.exit(subprocess.call([sys.executable, "-c", sys.argv[2], "rank"]))
+"""
+
+
+@pytest.mark.parametrize("launcher", ["this test", "another process"])
+def test_a_rank_whose_torchrun_is_no_child_of_the_launcher_leaves(launcher):
+    """Under tandem train's launcher a rank's torchrun is the launcher's child; a rank that finds its
+    parent is not (torchrun died, the rank was adopted) leaves at once, status 1."""
+    pid = os.getpid() if launcher == "this test" else 1
+    done = subprocess.run(
+        [sys.executable, "-c", _DIES_WITH_TORCHRUN, "torchrun", _DIES_WITH_TORCHRUN],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(env(), TANDEM_TRAIN_LAUNCHER_PID=str(pid)),
+    )
+    if launcher == "this test":
+        assert done.returncode == 0 and done.stdout == "alive\n", done.stderr
+    else:
+        assert done.returncode == 1 and done.stdout == "", done.stderr
 
 
 def test_a_sigterm_as_a_dataloader_worker_starts_does_not_kill_it():

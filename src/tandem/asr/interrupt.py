@@ -16,11 +16,13 @@ from types import FrameType
 
 __all__ = [
     "EXIT_FILE_ENV",
+    "LAUNCHER_PID_ENV",
     "Background",
     "LoaderWorkerInit",
     "StopRequests",
     "collective_exit",
     "die_with_parent",
+    "die_with_torchrun",
     "end_workers",
     "release_stop_signals",
     "start_holding_stop_signals",
@@ -70,9 +72,18 @@ class StopRequests:
 
     def install(self) -> StopRequests:
         """Take SIGINT and SIGTERM from now on; one held back until now (see
-        :func:`start_holding_stop_signals`) arrives here as the first request."""
+        :func:`start_holding_stop_signals`) arrives here as the first request, except torchrun's own
+        SIGTERM, with which it ends the group when another rank failed as they started: this process
+        ends at once, as it would have without the hold (it waited for the stop request's step, which
+        the others never reach, until torchrun killed it 30 s later)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        if os.environ.get(LAUNCHER_PID_ENV) and hasattr(signal, "sigtimedwait"):
+            # under tandem train's launcher torchrun holds the signals too: one from it is its own
+            while (held := signal.sigtimedwait(STOP_SIGNALS, 0)) is not None:
+                if held.si_signo == signal.SIGTERM and held.si_pid == os.getppid():
+                    os._exit(128 + held.si_signo)
+                self._handle(held.si_signo, None)
         release_stop_signals()
         return self
 
@@ -109,6 +120,28 @@ def die_with_parent(parent: int | None = None) -> None:
 
 # the signals that ask a run to stop (see StopRequests)
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+# tandem train's launcher names itself to the ranks of its torchrun here (see die_with_torchrun)
+LAUNCHER_PID_ENV = "TANDEM_TRAIN_LAUNCHER_PID"
+
+
+def die_with_torchrun() -> None:
+    """A torchrun worker: Linux kills it when torchrun dies (:func:`die_with_parent`). Under tandem train's
+    launcher (``LAUNCHER_PID_ENV``), whose torchrun it is, it also leaves at once if torchrun or the
+    launcher died before that took effect (a second Ctrl-C, a launcher killed, while the ranks import):
+    its parent is then no longer a child of the launcher, and the rank lived on, orphaned, retrying the
+    dead torchrun's store."""
+    die_with_parent()
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        stat = Path(f"/proc/{os.getppid()}/stat").read_text()
+        grandparent = int(stat.rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return
+    if grandparent != int(launcher):
+        os._exit(1)
 
 
 class LoaderWorkerInit:

@@ -50,7 +50,7 @@ from tandem.asr.interrupt import (
     LoaderWorkerInit,
     StopRequests,
     collective_exit,
-    die_with_parent,
+    die_with_torchrun,
     end_workers,
     stop_signals_held,
 )
@@ -655,7 +655,7 @@ def train(
     the training loop).
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        die_with_parent()
+        die_with_torchrun()
     stop = StopRequests().install()
     where = pick_device(device)
     threads = rank_threads(threads)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import tandem
 from tandem.asr.checkpoint import CheckpointStore, atomic_write
 from tandem.asr.distributed import Group, pick_device, pin_to_cores, rank_threads
-from tandem.asr.interrupt import collective_exit, release_stop_signals
+from tandem.asr.interrupt import collective_exit, die_with_torchrun
 from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
 from tandem.models import SpeechClassifier
 
@@ -79,7 +79,8 @@ def train(args: argparse.Namespace) -> int:
     """Train this rank's part; returns the exit status: 0 done, 1 a loss that became NaN or inf, 2 a
     checkpoint whose settings differ from --resume's (every rank reaches these together; under tandem
     train's launcher they go to its exit-status file instead, see tandem.asr.interrupt.collective_exit)."""
-    release_stop_signals()  # held by tandem train's torchrun; this task takes them as Python does
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_torchrun()  # the ranks of a launcher killed outright trained on, its --out unlocked
     device = pick_device(args.device)
     # one core per process when the processes share a machine, each on cores of its own (as the speech
     # task's ranks), before the process group starts its threads

@@ -655,10 +655,13 @@ class _LaunchSignals:
     send it to the process group and forward it too), as the workers take it. Ctrl-C twice is a person's
     second request."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: subprocess.Popen, after_step: bool = True) -> None:
         from tandem.asr.interrupt import StopRequests
 
         self.proc = proc
+        # False (the classifier, whose ranks die of the signal): the first signal ends everything at once;
+        # passed on alone, torchrun restarted the dead ranks and the run trained to its end
+        self.after_step = after_step
         self.received: list[int] = []
         self._first = 0.0
         self._same_within = StopRequests.SAME_REQUEST_S
@@ -671,7 +674,13 @@ class _LaunchSignals:
         ):
             return
         self.received.append(signum)
-        if len(self.received) > 1:
+        if len(self.received) > 1 or not self.after_step:
+            if len(self.received) == 1:
+                name = signal.Signals(signum).name
+                print(f"tandem train: {name}: stopping at once", file=sys.stderr, flush=True)
+            for pid in _children(self.proc.pid):  # the ranks, which die with torchrun once they ask to
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.kill()
             return
         self._first = time.monotonic()
@@ -692,7 +701,12 @@ def _launch(args: argparse.Namespace) -> int:
     checkpoint and end normally, so torchrun neither restarts them nor reports a failure; a second signal
     ends everything at once (torchrun and, as they die with it, the workers), except the same SIGTERM
     again within :attr:`StopRequests.SAME_REQUEST_S` (one signal to the process group, delivered twice)."""
-    from tandem.asr.interrupt import EXIT_FILE_ENV, start_holding_stop_signals
+    from tandem.asr.interrupt import (
+        EXIT_FILE_ENV,
+        LAUNCHER_PID_ENV,
+        die_with_parent,
+        start_holding_stop_signals,
+    )
 
     # the ranks' verdict that no restart can change (see tandem.asr.training.train): its exit status
     folder = tempfile.TemporaryDirectory(prefix="tandem-train-")
@@ -700,7 +714,7 @@ def _launch(args: argparse.Namespace) -> int:
     env = dict(
         os.environ,
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-        **{EXIT_FILE_ENV: str(exit_file), _OUT_HELD_ENV: "1"},
+        **{EXIT_FILE_ENV: str(exit_file), _OUT_HELD_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())},
     )
     if getattr(args, "checked_manifests", None) is not None:
         # rank 0 takes the entries checked here instead of reading every recording's header again (at
@@ -715,9 +729,13 @@ def _launch(args: argparse.Namespace) -> int:
         _torchrun_command(args),
         env=env,
         start_new_session=True,
-        preexec_fn=functools.partial(start_holding_stop_signals, os.getpid()),
+        # the speech task's ranks take a stop request after a step (torchrun leaves it to them); the
+        # classifier's die of the signal, as Python's processes do, which torchrun must hear itself
+        preexec_fn=functools.partial(
+            start_holding_stop_signals if args.task == "asr" else die_with_parent, os.getpid()
+        ),
     )
-    on_signal = _LaunchSignals(proc)
+    on_signal = _LaunchSignals(proc, after_step=args.task == "asr")
     received = on_signal.received
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
