@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.asr.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from tandem.asr.checkpoint import CheckpointError, CheckpointStore, load_checkpoint, save_checkpoint
 
 
 @pytest.fixture
@@ -53,3 +53,18 @@ def test_a_pipe_or_device_is_named_as_such_not_as_missing(tmp_path):
             CheckpointError, match=f"^{path}: not a regular file \\(a pipe, a device or a socket\\)"
         ):
             load_checkpoint(path)
+
+
+def test_leftovers_are_the_part_files_of_writes_cut_short_and_nothing_else(tmp_path):
+    parts = [
+        ".checkpoint-00000005.pt.tmp-123",
+        ".checkpoint.pt.tmp-9",
+        ".checkpoint.pt.link-7",
+        ".metrics.json.tmp-44",
+        ".training_curve.png.tmp-3",
+    ]
+    others = [".checkpoint_best.pt.tmp-2024", ".checkpoint.pt.tmp-12-3", ".mine.tmp-5", "checkpoint.pt"]
+    for name in parts + others:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / ".checkpoint.pt.tmp-77").symlink_to(tmp_path / "checkpoint.pt")  # a link: not followed
+    assert [p.name for p in CheckpointStore(tmp_path).leftovers()] == sorted(parts)

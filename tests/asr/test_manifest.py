@@ -301,9 +301,57 @@ def test_the_ranks_take_the_entries_the_launcher_checked(manifests, tmp_path, mo
 
     with monkeypatch.context() as patch:  # one process (--nproc 1) trains in the launcher's: checked there
         patch.setattr(training, "read_manifest", lambda *a, **k: pytest.fail("checked again"))
-        assert training.manifest_entries(cli_train.asr_config(args)) == args.checked_manifests
+        assert training.manifest_entries(cli_train.asr_config(args)) == args.checked_manifests[1]
     assert cli_train._launch(args) == 0
     assert json.loads(result.read_text()) == [40, 8, True, True]
+
+
+@pytest.mark.parametrize("edit", ["during the check", "mtime restored", "none"])
+def test_the_launchers_entries_are_taken_only_for_the_manifests_they_came_from(
+    manifests, tmp_path, monkeypatch, edit
+):
+    """The key of the launcher's entries is the manifests' before its check: one edited during the check
+    (a replaced file) is checked again by rank 0 (it trained on the lines of a file gone), as is one
+    edited with its size and modification time put back (``touch -r``, ``cp -p``)."""
+    import os
+    import shutil
+
+    import tandem.asr.training as training
+
+    train, test = (shutil.copy(m, tmp_path / m.name) for m in manifests)
+    (tmp_path / "audio").symlink_to(manifests[0].parent / "audio")  # for the lines' relative paths
+    config = training.TrainConfig(train_manifest=str(train), test_manifest=str(test))
+    real = training.read_manifest
+    lines = Path(train).read_text().splitlines(keepends=True)
+
+    def edit_train() -> None:
+        stat = os.stat(train)
+        Path(train).write_text("".join(lines[1:] + lines[:1]))  # the same bytes, in another order
+        if edit == "mtime restored":
+            os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    def reading(*args, **kwargs):
+        if edit == "during the check" and kwargs.get("what") == "--train-manifest":
+            edit_train()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "_CHECKED", {})
+    monkeypatch.setattr(training, "read_manifest", reading)
+    key, entries = training.checked_manifests(config)
+    saved = tmp_path / "checked.pickle"
+    assert training.save_checked_manifests(key, entries, saved)
+    if edit == "mtime restored":
+        edit_train()
+    read_again = []
+    monkeypatch.setattr(training, "_CHECKED", {})  # rank 0: a process of its own
+    monkeypatch.setattr(training, "read_manifest", lambda *a, **k: read_again.append(1) or real(*a, **k))
+    monkeypatch.setenv(training.CHECKED_MANIFESTS_ENV, str(saved))
+    got = training.manifest_entries(config)
+    assert bool(read_again) == (edit != "none")
+    now = real(train, Alphabet(config.alphabet), config.features, config.model)
+    assert [e.text for e in got[0]] == [e.text for e in now]
+    # a launcher that cannot write the file (a full disk) launches without it
+    assert not training.save_checked_manifests(key, entries, tmp_path / "gone" / "checked.pickle")
 
 
 @pytest.mark.parametrize(

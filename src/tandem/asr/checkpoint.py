@@ -4,6 +4,7 @@ that rebuild the model, plus (for resuming) the training state. Written atomical
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -210,13 +211,12 @@ class CheckpointStore:
         ``.NAME.tmp-PID`` of checkpoints, metrics and the curve, and :meth:`save`'s
         ``.checkpoint.pt.link-PID``. A process killed outright (SIGKILL, the OOM killer, a second Ctrl-C,
         which ends every process at once) leaves them; a run that holds the folder can remove them, as no
-        one else writes there."""
-        written = ("checkpoint*.pt", "metrics.json", "training_curve.png")
+        one else writes there. Only those names (no link): nothing else of the folder's is touched."""
+        part = re.compile(
+            r"\.(checkpoint(-\d+)?\.pt|metrics\.json|training_curve\.png)\.tmp-\d+|\.checkpoint\.pt\.link-\d+"
+        )
         return sorted(
-            p
-            for pattern in [f".{name}.tmp-*" for name in written] + [f".{self.NAME}.link-*"]
-            for p in self.folder.glob(pattern)
-            if p.is_file() and p.name.rpartition("-")[2].isdigit()
+            p for p in self.folder.glob(".*") if part.fullmatch(p.name) and p.is_file() and not p.is_symlink()
         )
 
     # what else a run leaves in its folder: set aside with its checkpoints, so that a new run's folder

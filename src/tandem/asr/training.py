@@ -760,19 +760,25 @@ def manifest_entries(config: TrainConfig) -> tuple[list[Entry], list[Entry]]:
     tandem train's launcher checked them already (``CHECKED_MANIFESTS_ENV`` names the file of
     :func:`save_checked_manifests`) and neither manifest has changed since, its entries: rank 0 checked
     every line again, as long again as the launcher's check (~50 s for LibriSpeech's 281k lines), at
-    every launch and every restart."""
-    key = _manifests_key(config)
+    every launch and every restart. The recordings themselves are checked once a launch."""
+    return checked_manifests(config)[1]
+
+
+def checked_manifests(config: TrainConfig) -> tuple[tuple | None, tuple[list[Entry], list[Entry]]]:
+    """:func:`manifest_entries` with the key of the manifests as they were before they were read (None
+    where a manifest cannot be found), for :func:`save_checked_manifests`."""
+    key = _manifests_key(config)  # before the check: a manifest edited meanwhile no longer matches it
     if key is not None and key in _CHECKED:  # by this process: the launcher's check of a one-process run
-        return _CHECKED[key]
+        return key, _CHECKED[key]
     saved = os.environ.get(CHECKED_MANIFESTS_ENV)
     if saved and key is not None:
         try:
             with open(saved, "rb") as f:
                 saved_key, entries = pickle.load(f)
             if saved_key == key:
-                return entries
-        except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError):
-            pass  # checked here instead
+                return key, entries
+        except Exception:  # an unreadable file of the launcher's: checked here instead
+            pass
     alphabet = Alphabet(config.alphabet)
     train = read_manifest(
         config.train_manifest, alphabet, config.features, config.model, what="--train-manifest"
@@ -782,26 +788,35 @@ def manifest_entries(config: TrainConfig) -> tuple[list[Entry], list[Entry]]:
     )
     if key is not None:
         _CHECKED[key] = (train, test)
-    return train, test
+    return key, (train, test)
 
 
 # the manifests this process checked, by _manifests_key
 _CHECKED: dict[tuple, tuple[list[Entry], list[Entry]]] = {}
 
 
-def save_checked_manifests(config: TrainConfig, entries: tuple[list[Entry], list[Entry]], path: Path) -> None:
-    """Keep ``entries``, :func:`manifest_entries` of ``config``, in ``path`` for the ranks to reuse (as
-    long as the manifests stay as they are: their paths, sizes and modification times, with the
-    alphabet, features and model that the check depends on)."""
-    with open(path, "wb") as f:
-        pickle.dump((_manifests_key(config), entries), f)
+def save_checked_manifests(key: tuple | None, entries: tuple[list[Entry], list[Entry]], path: Path) -> bool:
+    """Keep ``entries`` of the manifests that had ``key`` (:func:`checked_manifests`) in ``path`` for the
+    ranks to reuse while the manifests stay as they were. False, and nothing kept, where it cannot be
+    written (a full disk): the ranks check the manifests themselves then."""
+    if key is None:
+        return False
+    try:
+        with open(path, "wb") as f:
+            pickle.dump((key, entries), f)
+    except (OSError, pickle.PicklingError):
+        Path(path).unlink(missing_ok=True)
+        return False
+    return True
 
 
 def _manifests_key(config: TrainConfig) -> tuple | None:
-    """What a manifest check's result depends on, or None if a manifest cannot be found."""
+    """What a manifest check's result depends on (each manifest's path, identity, size and times; the
+    alphabet, features and model), or None if a manifest cannot be found. The change time, which no
+    program can set back, tells an edit whose modification time was restored (``touch -r``)."""
     try:
         files = tuple(
-            (str(Path(m).resolve()), st.st_size, st.st_mtime_ns)
+            (str(Path(m).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             for m in (config.train_manifest, config.test_manifest)
             for st in [os.stat(m)]
         )

@@ -318,13 +318,13 @@ def _check_manifests(args: argparse.Namespace) -> str | None:
     if args.test_speaker is not None:
         return "--test-speaker: only for the bundled digits, not with --train-manifest"
     from tandem.asr.manifest import ManifestError
-    from tandem.asr.training import manifest_entries
+    from tandem.asr.training import checked_manifests
 
     try:
-        train, test = manifest_entries(asr_config(args))
+        key, (train, test) = checked_manifests(asr_config(args))
     except ManifestError as e:
         return str(e)
-    args.checked_manifests = (train, test)  # for the ranks (see _launch)
+    args.checked_manifests = (key, (train, test))  # for the ranks (see _launch)
     # every process takes a share of each global batch and of the test set (a process with none would
     # wait for the others' collectives)
     world = args.nproc * args.nnodes
@@ -722,8 +722,8 @@ def _launch(args: argparse.Namespace) -> int:
         from tandem.asr.training import CHECKED_MANIFESTS_ENV, save_checked_manifests
 
         checked = Path(folder.name) / "manifests.pickle"
-        save_checked_manifests(asr_config(args), args.checked_manifests, checked)
-        env[CHECKED_MANIFESTS_ENV] = str(checked)
+        if save_checked_manifests(*args.checked_manifests, checked):
+            env[CHECKED_MANIFESTS_ENV] = str(checked)
     # a session of its own: a Ctrl-C in the terminal reaches this launcher only, which passes it on once
     proc = subprocess.Popen(
         _torchrun_command(args),
