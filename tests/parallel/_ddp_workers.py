@@ -513,6 +513,106 @@ def _check_drop_in(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+class ChannelsLastNet(torch.nn.Module):
+    """A channels_last convolution and a transposed weight (strides (1, 4)): parameters whose bucket views
+    are not row-major; a batch norm whose buffers a forward's graph saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.conv = torch.nn.Conv2d(2, 4, 3).double().to(memory_format=torch.channels_last)
+        self.norm = torch.nn.BatchNorm2d(4).double()
+        self.t = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64).t())  # [3, 4], strides (1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.conv(x)).mean((2, 3))  # [B, 4]
+        return h @ self.t.t()
+
+
+def _clip(param: torch.Tensor) -> None:
+    param.grad.clamp_(-0.01, 0.01)
+
+
+def _own_result_hook(state, bucket):
+    """A hook whose future gives a tensor of its own (a decompressed one, say), not the bucket's buffer."""
+    reduced = bucket.buffer().clone() / dist.get_world_size()
+    work = dist.all_reduce(reduced, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _check_layouts_and_user_hooks(rank: int, world: int) -> dict[str, Any]:
+    """What a helper's hunt found, each against torch's DDP on the same ranks: a hook's result of its own
+    for channels_last and transposed parameters (read row-major: wrong gradients), PowerSGD on them
+    (gradients() views PowerSGD could not view(n, -1)), a post-accumulate-grad hook registered after
+    wrapping (ignored: the average was written over its change), two forwards before one backward with
+    buffers (refused as modified in place), PowerSGD's state naming the default group beside
+    SyncBatchNorm (a deadlock), and the hooks on an output that is a parameter (one more a step)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(100 + rank)
+    xs = [torch.randn(3, 2, 6, 6, dtype=torch.float64, generator=gen) for _ in range(4)]
+
+    def run(case: str, cls: type) -> dict[str, Any]:
+        if case == "powersgd_syncbn":
+            # PowerSGD's first steps (start_powerSGD_iter, 10 by default) all-reduce the buckets as they
+            # are, on the default group; compressed, several buckets hang torch's DDP on Gloo too
+            torch.manual_seed(8)
+            sbn, linear, relu = tandem.nn.SyncBatchNorm, torch.nn.Linear, torch.nn.ReLU
+            layers = [linear(8, 32), sbn(32), relu(), linear(32, 32), sbn(32), relu(), linear(32, 4)]
+            model = torch.nn.Sequential(*layers)
+            wrapper = cls(model, bucket_cap_mb=0.001)
+            state = powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1000)
+            wrapper.register_comm_hook(state, powersgd.powerSGD_hook)
+            steps = torch.Generator().manual_seed(rank)
+            for _ in range(4):
+                model.zero_grad()
+                wrapper(torch.randn(16, 8, generator=steps)).square().sum().backward()
+            return {"grads": grads(model), "buffers": dict(model.named_buffers())}
+        model = ChannelsLastNet()
+        wrapper = cls(model, bucket_cap_mb=ONE_BYTE_MB if case == "own_result" else 25)
+        if case == "own_result":
+            wrapper.register_comm_hook(None, _own_result_hook)
+        elif case == "powersgd":
+            state = powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+            wrapper.register_comm_hook(state, powersgd.powerSGD_hook)
+        elif case == "clip_after":
+            for param in model.parameters():
+                param.register_post_accumulate_grad_hook(_clip)
+        for step in range(3):
+            model.zero_grad()
+            if case == "two_forwards":
+                (wrapper(xs[step]).square().sum() + wrapper(xs[step + 1]).sum()).backward()
+            else:
+                wrapper(xs[step]).square().sum().backward()
+        return {"grads": grads(model), "buffers": dict(model.named_buffers())}
+
+    for case in ("own_result", "powersgd", "clip_after", "two_forwards", "powersgd_syncbn"):
+        for side, cls in (("torch", TorchDDP), ("tandem", TandemDDP)):
+            try:
+                out[f"{case}_{side}"] = run(case, cls)
+            except Exception:  # the same on every rank: the next case's collectives still match
+                out[f"{case}_{side}"] = {"error": traceback.format_exc()}
+    model = ScaleAndWeight()
+    wrapper = TandemDDP(model)
+    for step in range(5):
+        scaled, weight = wrapper(xs[step % 4])
+        (scaled.sum() + weight.sum()).backward()
+    out["leaf_hooks"] = len(model.w._backward_hooks or {})
+    return out
+
+
+class ScaleAndWeight(torch.nn.Module):
+    """A forward that returns its parameter as it is (a leaf output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * self.w, self.w
+
+
 MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "single_process": _check_single_process,
     "vs_torch": _check_vs_torch,
@@ -523,6 +623,7 @@ MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "mismatch": _check_mismatch,
     "drop_in": _check_drop_in,
     "static_graph_reentrant": _check_static_graph_reentrant,
+    "layouts_and_user_hooks": _check_layouts_and_user_hooks,
 }
 
 

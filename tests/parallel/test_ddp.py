@@ -121,6 +121,25 @@ def test_drop_in_cases_equal_torchs_ddp(main_results):
             assert_same_state(ours["buffers"], theirs["buffers"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", ["own_result", "powersgd", "clip_after", "two_forwards", "powersgd_syncbn"])
+def test_layouts_and_user_hooks_as_torchs_ddp(main_results, case):
+    """(_check_layouts_and_user_hooks) channels_last and transposed parameters through a hook's own
+    result and through PowerSGD, a post-accumulate-grad hook registered after wrapping, two forwards
+    before one backward, PowerSGD's default group beside SyncBatchNorm (which deadlocked, or Gloo aborted:
+    the buckets went on the default group from the communication thread while SyncBatchNorm's backward
+    used it): torch's gradients and buffers."""
+    for res in check(main_results, "layouts_and_user_hooks"):
+        ours, theirs = res[f"{case}_tandem"], res[f"{case}_torch"]
+        assert "error" not in theirs and "error" not in ours, ours.get("error") or theirs.get("error")
+        assert_same_state(ours["grads"], theirs["grads"], **TIGHT)
+        assert_same_state(ours["buffers"], theirs["buffers"], **TIGHT)
+
+
+def test_hooks_on_an_output_that_is_a_parameter_do_not_pile_up(main_results):
+    for res in check(main_results, "layouts_and_user_hooks"):
+        assert res["leaf_hooks"] <= 1  # the last forward's (5 before the fix)
+
+
 def test_own_buffers_and_ignored_parameters_stay_per_rank(main_results):
     """broadcast_buffers=False keeps each rank's statistics (rank r's running mean started at r), and an
     ignored parameter is not averaged: the ranks' gradients differ there."""

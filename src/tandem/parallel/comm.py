@@ -159,7 +159,10 @@ def broadcast_coalesced(
             _run(work, deadline, what, timeout, who)
             offset = 0
             for t in members:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                # as torch's DDP: a buffer that an earlier forward's graph saved (two forwards, then one
+                # backward) keeps its version, or that backward would refuse it as modified in place
+                with torch.autograd._unsafe_preserve_version_counter(t):
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
 

@@ -5,9 +5,10 @@ How a synchronised step runs:
 1. ``forward`` (grad enabled, outside ``no_sync()``) arms the gradient hooks; with
    ``find_unused_parameters=True`` it also walks the autograd graph from the outputs to find the
    parameters that this backward cannot reach.
-2. In backward, ``register_post_accumulate_grad_hook`` fires per parameter once its ``.grad`` is
-   final: the gradient is copied (times ``1 / world_size``) into its slot of a flat bucket buffer
-   (a one-parameter bucket with a contiguous gradient is reduced in the gradient itself). When a
+2. In backward, a hook on each parameter's gradient accumulator fires once its ``.grad`` is final
+   (after the parameter's own post-accumulate-grad hooks): the gradient is copied (times
+   ``1 / world_size``) into its slot of a flat bucket buffer (a one-parameter bucket with a contiguous
+   gradient is reduced in the gradient itself). When a
    bucket is full and every bucket before it has been launched, its all-reduce starts
    (``async_op=True``, or through the communication hook), so buckets leave in the same order on
    every rank while the backward of the layers below goes on. For CPU tensors the copies and
@@ -487,6 +488,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._failure: Exception | None = None
         self._last_stats: DDPStats | None = None
         self._unreachable: list[int] = []
+        self._leaf_output_hooks: list[Any] = []
         self._used_since_sync = bytearray(n)
         self._used_counts: Tensor | None = None  # the last used-parameter map, as reduced
         # what gradients are divided by: the world, or under join(divide_by_initial_world_size=False) the
@@ -494,10 +496,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._grad_divisor = self.world_size
         self._reset_iteration()
         me = weakref.ref(self)
-        self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_hook, me, i))
-            for i, p in enumerate(self._params)
-        ]
+        # Each parameter's gradient accumulator (autograd's AccumulateGrad node), held, with a hook that
+        # runs after the node: after the parameter's own post-accumulate-grad hooks, also those
+        # registered after this wrapper (a per-parameter clip, an optimizer step in backward), as
+        # torch's reducer reads the gradient. A post-accumulate-grad hook of the wrapper's ran before
+        # them and wrote the average over what they changed.
+        self._accumulators = []
+        self._handles = []
+        with torch.enable_grad():
+            for i, p in enumerate(self._params):
+                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+                self._accumulators.append(accumulator)
+                hook = functools.partial(_grad_ready_hook, me, i, p)
+                self._handles.append(accumulator.register_hook(hook))
 
     def __getstate__(self) -> dict[str, Any]:
         """As torch's DDP: a copy (``copy.deepcopy``, pickle, ``torch.save``) holds the module and the
@@ -662,8 +673,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             if self.find_unused_parameters:
                 self._unreachable = self._unreachable_from(tensors)
             me = weakref.ref(self)
+            # a hook on a leaf output (a parameter, an input returned as it is) outlives the graph: the
+            # previous forward's are removed, or they piled up, one a step
+            for handle in self._leaf_output_hooks:
+                handle.remove()
+            self._leaf_output_hooks = []
             for t in tensors:
-                t.register_hook(functools.partial(_output_grad_hook, me))
+                handle = t.register_hook(functools.partial(_output_grad_hook, me))
+                if t.grad_fn is None:
+                    self._leaf_output_hooks.append(handle)
         return output
 
     @contextlib.contextmanager
@@ -1025,33 +1043,35 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         bucket.launch_t = time.perf_counter()
         if zeros:
             target = torch.zeros(bucket.numel, dtype=bucket._dtype, device=bucket._device)
-            views = list(target.split([s.numel() for s in bucket._shapes]))
-            views = [v.view(s) for v, s in zip(views, bucket._shapes)]
         else:
             target = bucket.target()
-            views = (
-                [target.view(self._params[bucket.members[0]].shape)]
-                if bucket.direct is not None
-                else list(bucket.views)
-            )
         if self._comm_hook is None:
             fut = dist.all_reduce(target, group=self._comm_group, async_op=True).get_future()
             bucket.sent_bytes = bucket.nbytes
         else:
+            # torch's GradBucket.gradients(): each parameter's slice of the buffer viewed in its shape
+            # (row-major, whatever the parameter's strides), so that PowerSGD's view(n, -1) takes them
+            sizes = [s.numel() for s in bucket._shapes]
+            rows = [v.view(s) for v, s in zip(target.split(sizes), bucket._shapes)]
             grad_bucket = GradBucket(
                 bucket.index,
                 target,
-                views,
+                rows,
                 [self._params[i] for i in bucket.members],
                 bucket.index == len(self._buckets) - 1,
             )
             # A hook's state None means "the default group" to torch's hooks: the private one here, for
-            # the reason above (only a hook that names a group of its own uses that one).
-            state = (
-                self._comm_group
-                if self._comm_state is None and self._comm_thread is not None
-                else self._comm_state
-            )
+            # the reason above (only a hook that names a group of its own uses that one), as it does for
+            # the default group or the wrapper's named as the state. A state whose process_group is one
+            # of those (PowerSGDState(process_group=None)) reaches the hook with the private group, and
+            # everything else of the state its own.
+            state = self._comm_state
+            if self._comm_thread is not None and (
+                state is None or state is dist.group.WORLD or state is self.process_group
+            ):
+                state = self._comm_group
+            elif self._comm_thread is not None and _names_the_default_group(state, self.process_group):
+                state = _OnGroup(state, self._comm_group)
             fut = self._comm_hook(state, grad_bucket)
             # Future.then() returns the C++ future class: check what is used, not the Python type.
             if not (hasattr(fut, "add_done_callback") and hasattr(fut, "wait")):
@@ -1200,6 +1220,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 f"DistributedDataParallel: the communication hook's future for bucket {bucket.index} "
                 f"returned {got}; expected a tensor of {bucket.numel} elements"
             )
+        flat = flat.contiguous()
         with torch.no_grad():
             if bucket.direct is not None:  # reduced in the gradient itself: it is .grad already
                 if flat.data_ptr() != bucket.direct.data_ptr():
@@ -1216,7 +1237,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                     offset += view.numel()
                     continue
                 param = self._params[i]
-                src = view if in_place else flat[offset : offset + view.numel()].view(view.shape)
+                # a result of the hook's own is laid out as the buffer is (a channels_last parameter's
+                # strides), as torch reads it
+                src = (
+                    view
+                    if in_place
+                    else flat[offset : offset + view.numel()].as_strided(view.shape, view.stride())
+                )
                 offset += view.numel()
                 if self.gradient_as_bucket_view:
                     if param.grad is not view:
@@ -1267,6 +1294,30 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         except CommunicationError as e:
             self._failure = e
             raise
+
+
+def _names_the_default_group(state: object, group: dist.ProcessGroup | None) -> bool:
+    """Whether a hook's ``state`` holds a ``process_group`` that is None (torch's hooks: the default
+    group), the default group, or ``group`` (the wrapper's)."""
+    if not hasattr(state, "process_group") or isinstance(state, dist.ProcessGroup):
+        return False
+    named = state.process_group
+    return named is None or named is dist.group.WORLD or named is group
+
+
+class _OnGroup:
+    """A hook's state as the hook sees it on the communication thread: its ``process_group`` the wrapper's
+    private group, every other attribute (read or set) the state's own."""
+
+    def __init__(self, state: object, group: dist.ProcessGroup) -> None:
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "process_group", group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_state"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_state"), name, value)
 
 
 def _spans_world(group: dist.ProcessGroup | None) -> bool:
@@ -1353,7 +1404,8 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 # Hooks hold the wrapper weakly: a dropped wrapper leaves the module's parameters with inert hooks.
-def _grad_ready_hook(ref: weakref.ref, i: int, param: Tensor) -> None:
+def _grad_ready_hook(ref: weakref.ref, i: int, param: Tensor, *node_grads: Any) -> None:
+    """The post hook of parameter ``i``'s gradient accumulator (``node_grads``: its inputs and outputs)."""
     ddp = ref()
     if ddp is not None:
         ddp._grad_ready(i, param)
