@@ -414,7 +414,7 @@ def test_one_rank_argument_errors(one_rank):
 
     ddp = make(torch.nn.Linear(2, 2))
     ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())  # not a future
-    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+    with pytest.raises(RuntimeError, match="must return a torch.futures.Future"):  # torch's type
         ddp(torch.randn(3, 2)).sum().backward()
 
 

@@ -350,7 +350,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 "torch.distributed.init_process_group(...) first or pass process_group="
             )
         if bucket_cap_mb_list is not None and not all(c >= 0 for c in bucket_cap_mb_list):
-            raise ValueError(
+            raise TypeError(  # torch's type (its C++ sizes are unsigned)
                 "DistributedDataParallel: expected bucket_cap_mb_list of sizes >= 0, got "
                 f"{bucket_cap_mb_list}"
             )
@@ -1075,7 +1075,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             fut = self._comm_hook(state, grad_bucket)
             # Future.then() returns the C++ future class: check what is used, not the Python type.
             if not (hasattr(fut, "add_done_callback") and hasattr(fut, "wait")):
-                raise TypeError(
+                raise RuntimeError(  # torch's type
                     f"DistributedDataParallel: a communication hook must return a torch.futures.Future, "
                     f"got {type(fut).__name__}"
                 )
