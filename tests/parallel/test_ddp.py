@@ -8,6 +8,7 @@ every process is killed at the end, whatever happened.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -594,3 +595,15 @@ def test_bucket_assignment():
     assert bucket_assignment([3, 2, 1, 0], ps, caps=[400, 1000]) == [[3], [2], [1, 0]]
     assert bucket_assignment([0, 1, 2, 3], ps, caps=[0]) == [[0], [1], [2], [3]]
     assert bucket_assignment([0, 1, 2, 3], ps, caps=[10**9]) == [[0, 1, 3], [2]]
+
+
+def test_create_graph_warns_that_the_higher_order_gradient_is_not_synchronised(one_rank):
+    """torch's reducer warns so; tandem's ran the second backward through this rank's graphs in silence."""
+    ddp = tandem.parallel.DistributedDataParallel(w.mlp())
+    x, _ = w.batch(0, 1)
+    with pytest.warns(UserWarning, match=r"create_graph=True.*not synchronised"):
+        ddp(x).square().sum().backward(create_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a wrapper
+        ddp(x).square().sum().backward(create_graph=True)
+        ddp(x).square().sum().backward()

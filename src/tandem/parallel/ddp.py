@@ -489,6 +489,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._last_stats: DDPStats | None = None
         self._unreachable: list[int] = []
         self._leaf_output_hooks: list[Any] = []
+        self._warned_create_graph = False
         self._used_since_sync = bytearray(n)
         self._used_counts: Tensor | None = None  # the last used-parameter map, as reduced
         # what gradients are divided by: the world, or under join(divide_by_initial_world_size=False) the
@@ -930,6 +931,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             return
         if not self._in_backward:
             self._begin_backward()
+        if param.grad is not None and param.grad.requires_grad and not self._warned_create_graph:
+            self._warned_create_graph = True
+            warnings.warn(  # as torch's reducer warns
+                "DistributedDataParallel: backward(create_graph=True): the gradients are averaged over the "
+                "ranks, their graphs are not: a backward through .grad (a gradient penalty) computes this "
+                "rank's higher-order gradient alone, not synchronised (torch's DistributedDataParallel "
+                "does not synchronise it either)",
+                stacklevel=2,
+            )
         if not self._unreachable_filled:
             # At the first parameter gradient (as torch does): parameters the outputs cannot reach count
             # as ready now, so their buckets need not wait for the end of backward.
