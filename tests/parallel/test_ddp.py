@@ -607,3 +607,12 @@ def test_create_graph_warns_that_the_higher_order_gradient_is_not_synchronised(o
         warnings.simplefilter("error")  # once a wrapper
         ddp(x).square().sum().backward(create_graph=True)
         ddp(x).square().sum().backward()
+
+
+def test_static_graph_leaves_find_unused_parameters_as_given(one_rank):
+    """torch's attribute reads what was passed (static_graph lets parameters go unused all the same)."""
+    for static, find in ((True, False), (False, True), (False, False), (True, True)):
+        ddp = tandem.parallel.DistributedDataParallel(
+            w.mlp(), static_graph=static, find_unused_parameters=find
+        )
+        assert ddp.find_unused_parameters is find and ddp.static_graph is static

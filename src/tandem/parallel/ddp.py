@@ -416,7 +416,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.static_graph = static_graph
         # torch's static graph lets a parameter go unused without find_unused_parameters (the first
         # iteration tells); here that is find_unused_parameters' handling, the same gradients
-        self.find_unused_parameters = find_unused_parameters or static_graph
+        self.find_unused_parameters = find_unused_parameters  # torch's attribute, as given
+        self._find_unused = find_unused_parameters or static_graph  # static_graph lets them go unused too
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
@@ -468,7 +469,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         use_thread = threaded and on_cpu and not self.gradient_as_bucket_view and _spans_world(process_group)
         self._comm_thread = _CommThread() if use_thread else None
         self._comm_group = dist.new_group() if use_thread and self.world_size > 1 else process_group
-        self._copy_when_done = on_cpu and not self.find_unused_parameters and not self.gradient_as_bucket_view
+        self._copy_when_done = on_cpu and not self._find_unused and not self.gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
 
         n = len(self._params)
@@ -561,7 +562,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         user_find_unused = self.find_unused_parameters
-        self.static_graph = self.find_unused_parameters = True
+        self.static_graph = self._find_unused = True
         self._copy_when_done = False  # the used map comes first, as with find_unused_parameters
         if not self._rebuilt:
             self._steps_to_rebuild = self._steps_before_rebuild()
@@ -671,7 +672,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if sync:
             self._expect_hooks = True
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if self.find_unused_parameters:
+            if self._find_unused:
                 self._unreachable = self._unreachable_from(tensors)
             me = weakref.ref(self)
             # a hook on a leaf output (a parameter, an input returned as it is) outlives the graph: the
@@ -855,7 +856,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         for bucket in self._buckets:
             self._submit(functools.partial(self._launch, bucket, True))
         ops = []
-        if self.find_unused_parameters:
+        if self._find_unused:
             # as torch's reducer: the used map of this rank's last synchronised step, as it was reduced
             # then (and again at each step shadowed since); zeros if it never trained
             if self._used_counts is None:
@@ -1136,7 +1137,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         """Synchronised steps before the buckets are re-cut in gradient order, as torch's reducer: the
         first, the second with static_graph, never (0) with find_unused_parameters alone (bucket-wise comm
         hooks such as PowerSGD see torch's buckets)."""
-        return 2 if self.static_graph else 0 if self.find_unused_parameters else 1
+        return 2 if self.static_graph else 0 if self._find_unused else 1
 
     def _count_towards_rebuild(self, order: list[int]) -> None:
         """One synchronised step done (``order``: this rank's gradient order in it): re-cut the buckets
@@ -1148,12 +1149,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self._rebuild(order)
 
     def _used_map_bytes(self) -> int:
-        return 4 * len(self._params) if self.find_unused_parameters else 0
+        return 4 * len(self._params) if self._find_unused else 0
 
     def _complete_and_wait(self) -> None:
         missing = [i for i, r in enumerate(self._ready) if not r]
         if missing:
-            if not self.find_unused_parameters:
+            if not self._find_unused:
                 names = ", ".join(repr(self._names[i]) for i in missing[:10])
                 more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
                 raise RuntimeError(
@@ -1170,7 +1171,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
         deadline = time.monotonic() + self.timeout
         skip: list[bool] | None = None
-        if self.find_unused_parameters:
+        if self._find_unused:
             # A parameter no rank used (this step or in no_sync() steps before it) keeps its .grad
             # untouched, as with torch. Issued after the buckets, by the thread that issued them.
             used = [a | b for a, b in zip(self._fired, self._used_since_sync)]
