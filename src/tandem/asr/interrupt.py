@@ -24,6 +24,7 @@ __all__ = [
     "die_with_parent",
     "die_with_torchrun",
     "end_workers",
+    "parent_of",
     "release_stop_signals",
     "start_holding_stop_signals",
     "stop_signals_held",
@@ -133,15 +134,19 @@ def die_with_torchrun() -> None:
     dead torchrun's store."""
     die_with_parent()
     launcher = os.environ.get(LAUNCHER_PID_ENV, "")
-    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+    if not launcher.isdigit():
         return
-    try:
-        stat = Path(f"/proc/{os.getppid()}/stat").read_text()
-        grandparent = int(stat.rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return
-    if grandparent != int(launcher):
+    grandparent = parent_of(os.getppid())
+    if grandparent is not None and grandparent != int(launcher):
         os._exit(1)
+
+
+def parent_of(pid: int) -> int | None:
+    """The pid of ``pid``'s parent (Linux's /proc), or None where it cannot be read (gone, elsewhere)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class LoaderWorkerInit:
@@ -159,7 +164,7 @@ class LoaderWorkerInit:
     def __call__(self, worker_id: int) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)  # discards one that came while held (stop_signals_held)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        release_stop_signals()
         if os.getppid() == self.rank_pid:  # forked by the rank (not by a forkserver, Python 3.14's default)
             die_with_parent(self.rank_pid)
         if self.then is not None:

@@ -650,10 +650,10 @@ def _torchrun_command(args: argparse.Namespace) -> list[str]:
 
 class _LaunchSignals:
     """The launcher's SIGINT/SIGTERM handler: the first signal goes on to torchrun's children (the workers
-    stop after their step, with a checkpoint), a second ends torchrun at once; the same SIGTERM again
-    within ``StopRequests.SAME_REQUEST_S`` is the first one delivered twice (systemd, Slurm and `timeout`
-    send it to the process group and forward it too), as the workers take it. Ctrl-C twice is a person's
-    second request."""
+    stop after their step, with a checkpoint), a second kills them and torchrun at once (so does the first
+    where ``after_step`` is False); the same SIGTERM again within ``StopRequests.SAME_REQUEST_S`` is the
+    first one delivered twice (systemd, Slurm and `timeout` send it to the process group and forward it
+    too), as the workers take it. Ctrl-C twice is a person's second request."""
 
     def __init__(self, proc: subprocess.Popen, after_step: bool = True) -> None:
         from tandem.asr.interrupt import StopRequests
@@ -678,9 +678,7 @@ class _LaunchSignals:
             if len(self.received) == 1:
                 name = signal.Signals(signum).name
                 print(f"tandem train: {name}: stopping at once", file=sys.stderr, flush=True)
-            for pid in _children(self.proc.pid):  # the ranks, which die with torchrun once they ask to
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            self._to_ranks(signal.SIGKILL)  # they die with torchrun only once they have asked to
             self.proc.kill()
             return
         self._first = time.monotonic()
@@ -690,6 +688,10 @@ class _LaunchSignals:
             file=sys.stderr,
             flush=True,
         )
+        self._to_ranks(signum)
+
+    def _to_ranks(self, signum: int) -> None:
+        """Send ``signum`` to torchrun's children, this node's ranks."""
         for pid in _children(self.proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
@@ -699,7 +701,7 @@ def _launch(args: argparse.Namespace) -> int:
     """Run torchrun until it ends. A first SIGINT or SIGTERM goes on to this node's workers, which stop
     after their current step (the ranks on other nodes with them: they agree after every step), write a
     checkpoint and end normally, so torchrun neither restarts them nor reports a failure; a second signal
-    ends everything at once (torchrun and, as they die with it, the workers), except the same SIGTERM
+    ends everything at once (the workers and torchrun; the classifier's at the first), except the same SIGTERM
     again within :attr:`StopRequests.SAME_REQUEST_S` (one signal to the process group, delivered twice)."""
     from tandem.asr.interrupt import (
         EXIT_FILE_ENV,
@@ -780,15 +782,10 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (Linux's /proc; none elsewhere)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
+    from tandem.asr.interrupt import parent_of
+
+    others = (int(entry.name) for entry in Path("/proc").glob("[0-9]*"))
+    return [other for other in others if parent_of(other) == pid]
 
 
 def _resume_command(args: argparse.Namespace) -> str:
