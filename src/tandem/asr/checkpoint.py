@@ -219,6 +219,11 @@ class CheckpointStore:
             p for p in self.folder.glob(".*") if part.fullmatch(p.name) and p.is_file() and not p.is_symlink()
         )
 
+    def remove_leftovers(self) -> None:
+        """Delete :meth:`leftovers` (at a run's start, by the process that holds the folder)."""
+        for partial in self.leftovers():
+            partial.unlink(missing_ok=True)
+
     # what else a run leaves in its folder: set aside with its checkpoints, so that a new run's folder
     # never shows an earlier run's metrics, curves or TensorBoard events beside its own checkpoints
     RUN_FILES = ("metrics.json", "training_curve.png", "events.out.tfevents.*")

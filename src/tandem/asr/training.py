@@ -694,8 +694,7 @@ def _starting_state(
     what a process of an earlier launch left half-written there (see :meth:`CheckpointStore.leftovers`)."""
     decision: tuple[dict[str, Any] | None, str | None] = (None, None)
     if group.lead:
-        for partial in store.leftovers():
-            partial.unlink(missing_ok=True)
+        store.remove_leftovers()
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if resume or restarted:
             state, path, skipped = store.latest()

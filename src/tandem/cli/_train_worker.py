@@ -129,8 +129,7 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
     checkpoint_path, history, start_epoch, seconds_before = args.out / "checkpoint.pt", [], 0, 0.0
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if lead:  # what a process killed mid-write left, as tandem train's speech task removes it
-        for partial in CheckpointStore(args.out).leftovers():
-            partial.unlink(missing_ok=True)
+        CheckpointStore(args.out).remove_leftovers()
     if lead and not args.resume and not restarted:
         # an earlier run's files (this task's, or a speech recognizer's) go aside, as tandem train's do
         CheckpointStore(args.out).set_aside_and_say()
