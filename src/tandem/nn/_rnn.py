@@ -251,9 +251,9 @@ class RNNLayers(torch.nn.RNNBase):
                 mini_batch = sorted_indices.shape[0]
             else:
                 mini_batch = int(batch_sizes[0])
-            rows = Rows(data, batch_sizes, mini_batch, True, True, 1, sorted_indices, unsorted_indices, data)
-            rows.given_batch_sizes = given
-            return rows
+            return Rows(
+                data, batch_sizes, mini_batch, True, True, 1, sorted_indices, unsorted_indices, data, given
+            )
         if input.dim() not in (2, 3):
             raise ValueError(f"{self.mode}: Expected input to be 2D or 3D, got {input.dim()}D instead")
         batched = input.dim() == 3

@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from tandem.nn._rnn import RNNLayers, needs_formulas
 from tandem.ops.lstm import lstm as lstm_layer
-from tandem.ops.lstm.onednn import lstm_layer_onednn, onednn_applies
+from tandem.ops.lstm.onednn import lstm_layer_onednn, onednn_applies, torch_runs_onednn
 from tandem.ops.lstm.reference import lstm_layer_autograd
 
 __all__ = ["LSTM"]
@@ -231,17 +231,10 @@ def _promoted_cx(data: Tensor, cx: Tensor, packed: bool, proj_size: int) -> Tens
     else a dtype unlike the input's is refused, as torch's cells refuse it (oneDNN's, which runs dense
     float32 input without a projection, among them).
     """
-    onednn = (
-        data.dtype == torch.float32
-        and not packed
-        and proj_size == 0
-        and torch.backends.mkldnn.is_available()
-        and torch._C._get_mkldnn_enabled()
-    )
     if (
         data.device.type == "cpu"
         and data.dtype in (torch.float32, torch.float64)
-        and not onednn
+        and not torch_runs_onednn(data, packed, proj_size)
         and cx.dtype != data.dtype
         and cx.is_floating_point()
         and torch.promote_types(cx.dtype, data.dtype) == data.dtype

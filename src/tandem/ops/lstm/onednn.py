@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["onednn_applies", "lstm_layer_onednn"]
+__all__ = ["onednn_applies", "lstm_layer_onednn", "torch_runs_onednn"]
 
 _MODE_LSTM = 2  # cuDNN's RNN mode numbering, which the aten RNN ops share
 
@@ -27,14 +27,22 @@ def onednn_applies(x: Tensor, packed: bool, proj_size: int) -> bool:
     projection, oneDNN available and enabled (``torch.backends.mkldnn``), this torch having the per-layer
     op, and eager mode."""
     return (
-        not packed
+        torch_runs_onednn(x, packed, proj_size)
         and not torch.compiler.is_compiling()  # torch.compile traces tandem's own op (a single node)
+        and hasattr(torch.ops.aten, "mkldnn_rnn_layer")
+    )
+
+
+def torch_runs_onednn(x: Tensor, packed: bool, proj_size: int) -> bool:
+    """Whether torch.nn.LSTM itself runs oneDNN's cell for this input (see :func:`onednn_applies`), not its
+    native one: what decides, too, which ``c_0`` dtypes it takes (tandem.nn.lstm)."""
+    return (
+        not packed
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and proj_size == 0
         and torch.backends.mkldnn.is_available()
         and torch._C._get_mkldnn_enabled()
-        and hasattr(torch.ops.aten, "mkldnn_rnn_layer")
     )
 
 
