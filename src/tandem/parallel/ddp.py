@@ -1077,12 +1077,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             # of those (PowerSGDState(process_group=None)) reaches the hook with the private group, and
             # everything else of the state its own.
             state = self._comm_state
-            if self._comm_thread is not None and (
-                state is None or state is dist.group.WORLD or state is self.process_group
-            ):
-                state = self._comm_group
-            elif self._comm_thread is not None and _names_the_default_group(state, self.process_group):
-                state = _OnGroup(state, self._comm_group)
+            if self._comm_thread is not None:
+                if _is_the_default_group(state, self.process_group):
+                    state = self._comm_group
+                elif (
+                    hasattr(state, "process_group")
+                    and not isinstance(state, dist.ProcessGroup)
+                    and _is_the_default_group(state.process_group, self.process_group)
+                ):
+                    state = _OnGroup(state, self._comm_group)
             fut = self._comm_hook(state, grad_bucket)
             # Future.then() returns the C++ future class: check what is used, not the Python type.
             if not (hasattr(fut, "add_done_callback") and hasattr(fut, "wait")):
@@ -1307,12 +1310,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             raise
 
 
-def _names_the_default_group(state: object, group: dist.ProcessGroup | None) -> bool:
-    """Whether a hook's ``state`` holds a ``process_group`` that is None (torch's hooks: the default
-    group), the default group, or ``group`` (the wrapper's)."""
-    if not hasattr(state, "process_group") or isinstance(state, dist.ProcessGroup):
-        return False
-    named = state.process_group
+def _is_the_default_group(named: object, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``named`` (a hook's state, or its ``process_group``) means the default group to torch's
+    hooks: None, the default group itself, or ``group`` (the wrapper's, which spans the same ranks)."""
     return named is None or named is dist.group.WORLD or named is group
 
 
