@@ -351,22 +351,62 @@ class TwiceCheckpointed(torch.nn.Module):
         return self.head(self.c(h))
 
 
+class Boxed:
+    """A forward's result that DDP cannot look into (not a tensor, tuple, dict or dataclass)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class CheckpointedHead(TwiceCheckpointed):
+    """The last layer in a reentrant checkpoint, its output in a :class:`Boxed`: the first parameter
+    gradient comes inside the checkpoint's own backward; the inner layer checkpointed once or twice."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor) -> Boxed:  # type: ignore[override]
+        h = torch.utils.checkpoint.checkpoint(self._inner, self.a(x), use_reentrant=True)
+        if self.twice:
+            h = torch.utils.checkpoint.checkpoint(self._inner, h, use_reentrant=True)
+        head = lambda t: self.head(self.c(t))
+        return Boxed(torch.utils.checkpoint.checkpoint(head, h, use_reentrant=True))
+
+
 def _check_static_graph_reentrant(rank: int, world: int) -> dict[str, Any]:
-    """static_graph=True with a layer in two reentrant checkpoints (what torch documents static_graph
-    for), three steps: tandem's and torch's DDP on the same ranks; tandem refused it at the first step."""
+    """Reentrant checkpoints, three steps, tandem's and torch's DDP on the same ranks and the model alone
+    on the concatenated batch: static_graph=True with a layer in two (what torch documents static_graph
+    for; tandem refused it at the first step), and the outputs in an object DDP cannot look into, by
+    default and with static_graph (tandem finished the reduction at the end of the checkpoint's
+    backward, before the layers before it, and with static_graph counted every parameter unused)."""
     out = {}
-    for side, cls in (("torch", TorchDDP), ("tandem", TandemDDP)):
-        model = TwiceCheckpointed()
-        wrapper = cls(model, static_graph=True)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            x = torch.randn(
-                4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * step + rank)
-            )
-            opt.zero_grad()
-            loss_fn(wrapper(x), torch.zeros(4, 3, dtype=torch.float64)).backward()
-            opt.step()
-        out[side] = params(model)
+    cases = {
+        "tensor_static": (TwiceCheckpointed, {"static_graph": True}),
+        "boxed": (lambda: CheckpointedHead(twice=False), {}),
+        "boxed_static": (lambda: CheckpointedHead(twice=True), {"static_graph": True}),
+    }
+    for case, (make, kwargs) in cases.items():
+        sides = (("torch", TorchDDP), ("tandem", TandemDDP), ("alone", None))
+        for side, cls in sides:
+            model = make()
+            wrapper = model if cls is None else cls(model, **kwargs)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                x = torch.cat(
+                    [
+                        torch.randn(
+                            4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * step + r)
+                        )
+                        for r in (range(world) if cls is None else [rank])
+                    ]
+                )
+                opt.zero_grad()
+                y = wrapper(x)
+                y = y.tensor if isinstance(y, Boxed) else y
+                loss_fn(y, torch.zeros(len(x), 3, dtype=torch.float64)).backward()
+                opt.step()
+            out[case, side] = params(model)
     return out
 
 

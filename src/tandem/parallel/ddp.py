@@ -4,7 +4,8 @@ How a synchronised step runs:
 
 1. ``forward`` (grad enabled, outside ``no_sync()``) arms the gradient hooks; with
    ``find_unused_parameters=True`` it also walks the autograd graph from the outputs to find the
-   parameters that this backward cannot reach.
+   parameters that this backward cannot reach (with ``static_graph=True``, as torch, it takes those
+   the first step left without a gradient instead).
 2. In backward, a hook on each parameter's gradient accumulator fires once its ``.grad`` is final
    (after the parameter's own post-accumulate-grad hooks): the gradient is copied (times
    ``1 / world_size``) into its slot of a flat bucket buffer (a one-parameter bucket with a contiguous
@@ -14,7 +15,9 @@ How a synchronised step runs:
    every rank while the backward of the layers below goes on. For CPU tensors the copies and
    launches run on a communication thread, in order, and each bucket is copied back to ``.grad`` by
    the thread that completes its all-reduce: the autograd thread only does bookkeeping.
-3. A callback queued on the autograd engine runs when backward ends: parameters that got no gradient
+3. A callback queued on the autograd engine runs when backward ends (when the first gradient came
+   inside a backward nested in another's node, a reentrant checkpoint's, and more may follow, it is
+   queued again at the end of the enclosing one): parameters that got no gradient
    are filled in (zeros, or what ``no_sync()`` steps accumulated), the last buckets are launched, and
    every bucket is waited for, with a deadline, and written back to ``.grad`` if that has not
    happened yet (or ``.grad`` already is a view of the bucket with ``gradient_as_bucket_view=True``).
@@ -672,7 +675,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if sync:
             self._expect_hooks = True
             tensors = [t for t in _tensors_in(output) if t.requires_grad]
-            if self._find_unused:
+            if self.static_graph:
+                # as torch's reducer, no walk of the graph: unused are those the first step left unused
+                expected = self._fires_expected
+                self._unreachable = [] if expected is None else [i for i, n in enumerate(expected) if not n]
+            elif self._find_unused:
                 self._unreachable = self._unreachable_from(tensors)
             me = weakref.ref(self)
             # a hook on a leaf output (a parameter, an input returned as it is) outlives the graph: the
@@ -923,8 +930,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._in_backward = True
         if self._t_backward is None:
             self._t_backward = time.perf_counter()
-        me = weakref.ref(self)
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_done, me))
+        _queue_backward_done(weakref.ref(self))
 
     def _grad_ready(self, i: int, param: Tensor) -> None:
         if not self._expect_hooks:
@@ -1097,6 +1103,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             bucket.sent_bytes = bucket.nbytes if sent is None else sent
         bucket.future = fut
         fut.add_done_callback(functools.partial(_bucket_done, None if zeros else weakref.ref(self), bucket))
+
+    def _may_get_more_gradients(self) -> bool:
+        """Whether a gradient of this backward may still come: a parameter not ready yet, or static_graph's
+        first step, which learns how often each gradient accumulates."""
+        return (self.static_graph and self._fires_expected is None) or not all(self._ready)
 
     def _finish_backward(self) -> None:
         t_local_end = time.perf_counter()
@@ -1443,10 +1454,30 @@ def _bucket_done(ref: weakref.ref | None, bucket: _Bucket, fut: Future) -> None:
         bucket.event.set()
 
 
+def _queue_backward_done(ref: weakref.ref) -> None:
+    """Finish the reduction when the running backward (its graph task) ends."""
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_done, ref))
+
+
 def _backward_done(ref: weakref.ref) -> None:
     ddp = ref()
-    if ddp is not None:
-        ddp._finish_backward()
+    if ddp is None:
+        return
+    node = torch._C._current_autograd_node()
+    if node is not None and ddp._may_get_more_gradients():
+        # This backward runs inside a node of another (a reentrant checkpoint's recomputation, begun
+        # before any hook on the outputs could see it: they were not found in what forward returned),
+        # and gradients are still to come from the enclosing one: finish at its end instead.
+        queued = []
+
+        def requeue(*_: Any) -> None:
+            if not queued:  # once, should the graph be kept and run again
+                queued.append(True)
+                _queue_backward_done(ref)
+
+        node.register_hook(requeue)
+        return
+    ddp._finish_backward()
 
 
 class _DDPJoinHook(JoinHook):
