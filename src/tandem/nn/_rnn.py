@@ -309,8 +309,11 @@ class RNNLayers(torch.nn.RNNBase):
         directions = 2 if self.bidirectional else 1
         self.check_hidden_size(state, (self.num_layers * directions, rows.mini_batch, size), message)
 
-    def _check_devices_and_dtypes(self, data: Tensor, states: dict[str, Tensor], weight: Tensor) -> None:
-        """``weight``: the first layer's input weights (of :meth:`_current_weights`)."""
+    def _check_devices_and_dtypes(
+        self, data: Tensor, states: dict[str, Tensor], weight: Tensor, exempt: tuple[str, ...] = ()
+    ) -> None:
+        """``weight``: the first layer's input weights (of :meth:`_current_weights`); the states named in
+        ``exempt`` may have another dtype than the input."""
         if data.device != weight.device:
             raise RuntimeError(
                 "Input and parameter tensors are not at the same device, found input tensor at "
@@ -322,7 +325,7 @@ class RNNLayers(torch.nn.RNNBase):
                     "Input and hidden tensors are not at the same device, found input tensor at "
                     f"{data.device} and hidden tensor at {t.device}"
                 )
-            if t.dtype != data.dtype:
+            if t.dtype != data.dtype and name not in exempt:
                 raise RuntimeError(
                     f"{self.mode}: expected {name} of dtype {data.dtype} (the input's dtype), got {t.dtype}"
                 )

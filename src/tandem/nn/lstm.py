@@ -181,17 +181,27 @@ class LSTM(RNNLayers):
             self._autocast_state(hx[0], dtype),
             _promoted_cx(rows.data, self._autocast_state(hx[1], dtype), rows.packed, self.proj_size),
         )
-        self._check_devices_and_dtypes(rows.data, {"hx": hx[0], "cx": hx[1]}, weights_now["weight_ih_l0"])
+        # oneDNN's bfloat16 cell keeps a float32 cell state as it is (c_n float32 too): torch takes one
+        float_cx = (
+            rows.data.dtype == torch.bfloat16
+            and hx[1].dtype == torch.float32
+            and torch_runs_onednn(rows.data, rows.packed, self.proj_size)
+        )
+        self._check_devices_and_dtypes(
+            rows.data, {"hx": hx[0], "cx": hx[1]}, weights_now["weight_ih_l0"], exempt=("cx",) * float_cx
+        )
         self._to_rows(rows)
 
         h_n, c_n = [], []
         layer_input = rows.data
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
-        # where torch.nn.LSTM runs oneDNN's fused cell (dense float32 CPU input, no projection), so does
-        # this module; tandem's own kernel everywhere else (see tandem.ops.lstm.onednn)
+        # where torch.nn.LSTM runs oneDNN's fused cell (dense float32 or bfloat16 CPU input, no projection),
+        # so does this module; tandem's own kernel everywhere else (see tandem.ops.lstm.onednn)
         onednn = (
             dtype is None and rows.mini_batch > 0 and onednn_applies(rows.data, rows.packed, self.proj_size)
         )
+        if float_cx and not onednn:  # torch.compile traces tandem's own kernel: one dtype throughout
+            hx = (hx[0], hx[1].to(rows.data.dtype))
         for layer in range(self.num_layers):
             span = slice(layer * num_directions, (layer + 1) * num_directions)
             if onednn:
@@ -212,6 +222,8 @@ class LSTM(RNNLayers):
             c_n.append(c_last)
             layer_input = self._dropout(layer_input, layer)
         hidden = (torch.cat(h_n, 0), torch.cat(c_n, 0)) if len(h_n) > 1 else (h_n[0], c_n[0])
+        if float_cx and not onednn:
+            hidden = (hidden[0], hidden[1].float())
 
         if rows.packed:
             hidden = self.permute_hidden(hidden, rows.unsorted_indices)
@@ -229,8 +241,8 @@ def _promoted_cx(data: Tensor, cx: Tensor, packed: bool, proj_size: int) -> Tens
     float32) is taken and ``c_n`` comes out in the input's dtype. Casting it first gives the same numbers
     (the widening is exact) and its gradient flows back in its own dtype, as torch's does. Everywhere
     else a dtype unlike the input's is refused, as torch's cells refuse it (oneDNN's, which runs dense
-    float32 input without a projection, among them).
-    """
+    float32 input without a projection, among them), but for the float32 ``cx`` that oneDNN's bfloat16
+    cell takes (:meth:`LSTM._forward`)."""
     if (
         data.device.type == "cpu"
         and data.dtype in (torch.float32, torch.float64)

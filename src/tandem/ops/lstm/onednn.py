@@ -1,8 +1,9 @@
 """The CPU LSTM layer that runs oneDNN's fused LSTM, the kernel torch.nn.LSTM itself runs on CPUs.
 
-On a CPU, torch.nn.LSTM hands dense float32 layers without a projection to oneDNN
-(``aten::mkldnn_rnn_layer``: one fused primitive per direction, gates saved in its workspace for the
-backward, ``aten::mkldnn_rnn_layer_backward``), 1.7-3x faster than its own native loop. tandem's
+On a CPU, torch.nn.LSTM hands dense float32 layers without a projection to oneDNN, and bfloat16 ones where
+the CPU computes bfloat16 (``aten::mkldnn_rnn_layer``: one fused primitive per direction, gates saved in
+its workspace for the backward, ``aten::mkldnn_rnn_layer_backward``; a bfloat16 layer's cell state may be
+float32), 1.7-3x faster than its own native loop. tandem's
 plain-PyTorch kernel (:mod:`tandem.ops.lstm.reference`) reaches the native loop's speed and more, not
 oneDNN's: a time step of eager ops cannot match a JIT-compiled fused cell (BENCHMARKS.md, lstm). So where
 torch would run oneDNN, tandem.nn.LSTM runs the same primitive, called the way torch calls it, with the
@@ -35,15 +36,35 @@ def onednn_applies(x: Tensor, packed: bool, proj_size: int) -> bool:
 
 def torch_runs_onednn(x: Tensor, packed: bool, proj_size: int) -> bool:
     """Whether torch.nn.LSTM itself runs oneDNN's cell for this input (see :func:`onednn_applies`), not its
-    native one: what decides, too, which ``c_0`` dtypes it takes (tandem.nn.lstm)."""
+    native one: what decides, too, which ``c_0`` dtypes it takes (tandem.nn.lstm). torch's rule
+    (``use_mkldnn`` in ATen's RNN.cpp): float32, or bfloat16 where the CPU computes it natively; float16
+    only without grad mode on CPUs with float16 arithmetic, which this rule leaves to tandem's kernel."""
     return (
         not packed
         and x.device.type == "cpu"
-        and x.dtype == torch.float32
+        and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _ONEDNN_BF16))
+        and x.numel() != 0
         and proj_size == 0
-        and torch.backends.mkldnn.is_available()
-        and torch._C._get_mkldnn_enabled()
+        and _ONEDNN_AVAILABLE
+        and _onednn_enabled()
     )
+
+
+@torch.compiler.assume_constant_result  # torch.compile cannot trace the query: its value when traced
+def _onednn_enabled() -> bool:
+    """``torch.backends.mkldnn.enabled`` (``flags(enabled=False)`` turns it off)."""
+    return torch._C._get_mkldnn_enabled()
+
+
+def _bf16_check() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and check())
+
+
+# whether this torch has oneDNN, and whether oneDNN computes bfloat16 on this CPU (torch's
+# mkldnn_bf16_device_check): read once, constants to torch.compile, which cannot trace the queries
+_ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available()
+_ONEDNN_BF16 = _bf16_check()
 
 
 def lstm_layer_onednn(
