@@ -63,9 +63,10 @@ def packed_layer(
 
 
 def transformed() -> bool:
-    """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap) is running."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and not torch.compiler.is_compiling() and peek() is not None
+    """Whether a torch.func transform (grad, vjp, jvp, jacrev, jacfwd, vmap) is running, in eager mode and
+    under torch.compile (which traces this query; the interpreter stack it cannot: compiled, tandem's
+    hand-written backward once ran under torch.func.grad and its gradient came out zero)."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def needs_autograd_ops(*tensors: Tensor | None) -> bool:
