@@ -928,6 +928,31 @@ def test_edge_states_as_torch(case):
         torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["one-row-other-channels", "one-frame-other-channels", "eps-0-other-channels", "eval-eps-negative"],
+)
+def test_errors_torch_checks_before_the_channels_and_eps_in_eval(case):
+    """torch's batch_norm checks the batch and eps before it meets a wrong channel count (tandem raised
+    its channel RuntimeError where torch raises ValueError); a negative eps in eval is refused with a
+    mask too (the masked path computed NaN). Reference: torch's module, on the real frames when masked."""
+    eps = {"eps-0-other-channels": 0.0, "eval-eps-negative": -0.5}.get(case, 1e-5)
+    mods = [cls(4, eps=eps) for cls in (tandem.nn.SyncBatchNorm, torch.nn.SyncBatchNorm)]
+    x = {"one-row-other-channels": torch.randn(1, 5), "one-frame-other-channels": torch.randn(1, 5, 1)}.get(
+        case, torch.randn(3, 5 if case == "eps-0-other-channels" else 4)
+    )
+    if case == "eval-eps-negative":
+        for m in mods:
+            m.eval()
+    ours, theirs = (_outcome(m, x) for m in mods)
+    assert isinstance(theirs, tuple) and ours == theirs
+    if case == "eval-eps-negative":  # the masked path: the same error for the real frames alone
+        mask = torch.ones(3, 2, dtype=torch.bool)
+        with pytest.raises(ValueError) as masked:
+            mods[0](x.unsqueeze(-1).expand(3, 4, 2), mask=mask)
+        assert (ValueError, str(masked.value)) == theirs
+
+
 def test_training_without_num_batches_tracked_raises_torchs_assertion():
     mods = [tandem.nn.SyncBatchNorm(3), torch.nn.SyncBatchNorm(3)]
     for m in mods:

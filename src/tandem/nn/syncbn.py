@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import PackedSequence
 
-from tandem.ops.syncbn import sync_batch_norm
+from tandem.ops.syncbn import check_eps, sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
 
@@ -125,7 +125,7 @@ class SyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def _check_channels(self, input: Tensor) -> None:
+    def _check_channels(self, input: Tensor, mask: Tensor | None) -> None:
         if input.size(1) == 0:
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
         # torch only notices a wrong channel count through a per-channel tensor that batch_norm is given
@@ -133,6 +133,10 @@ class SyncBatchNorm(_BatchNorm):
         has_stats = self.running_mean is not None and (not self.training or self.track_running_stats)
         has_per_channel = self.weight is not None or self.bias is not None or has_stats
         if has_per_channel and input.size(1) != self.num_features:
+            # what torch's batch_norm checks before it meets the channels, with its exception types
+            if self.training and mask is None:
+                torch.nn.functional._verify_batch_size(input.size())
+            check_eps(self.eps, self.training)
             raise RuntimeError(
                 f"SyncBatchNorm: expected input with {self.num_features} channels in dim 1 (num_features), "
                 f"got {input.size(1)} (input of shape {list(input.shape)})"
@@ -185,7 +189,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _normalize(self, input: Tensor, mask: Tensor | None) -> Tensor:
         self._check_input_dim(input)
-        self._check_channels(input)
+        self._check_channels(input, mask)
         # torch's logic, except that num_batches_tracked moves back when the step fails
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is None:

@@ -31,7 +31,7 @@ from tandem.ops.syncbn.reference import (
     syncbn_unpack_ref,
 )
 
-__all__ = ["gather_over_ranks", "sync_batch_norm", "sync_group", "sum_over_ranks"]
+__all__ = ["check_eps", "gather_over_ranks", "sync_batch_norm", "sync_group", "sum_over_ranks"]
 
 
 def sync_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
@@ -99,8 +99,7 @@ def sync_batch_norm(
         for name, stat in (("running_mean", running_mean), ("running_var", running_var)):
             if stat is None:
                 raise RuntimeError(f"{name} must be defined in evaluation mode")
-    if training and eps <= 0.0:
-        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    check_eps(eps, training)
     group = sync_group(process_group) if training and sync else None
     if group is None and mask is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
@@ -119,6 +118,14 @@ def sync_batch_norm(
             _dense(input), weight, bias, mask, running_mean, running_var, training, momentum, eps, group
         )
     return _torch_layout(y)
+
+
+def check_eps(eps: float, training: bool) -> None:
+    """F.batch_norm's errors for ``eps`` (in eval too: a negative one made the masked path's output NaN)."""
+    if training and eps <= 0.0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    if eps < 0.0:
+        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
 
 
 def _check_as_torch(
