@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 import wave
 
 import numpy as np
@@ -179,6 +180,45 @@ def test_a_wav_written_as_a_stream_with_a_data_size_of_0_is_read_to_its_end(tmp_
         waveform, rate = read_audio(source, name="streamed")
         assert rate == 16000 and torch.equal(waveform, expected)
     assert read_header(path) == (1600, 16000) and path.read_bytes() == bytes(stream)
+
+
+def _riff(*chunks: tuple[bytes, bytes], riff_size: int | None = None) -> bytes:
+    """A RIFF WAVE file of ``(id, body)`` chunks (padded to even sizes); ``riff_size`` for the RIFF
+    header's own (default: the true one)."""
+    body = b"WAVE" + b"".join(c + len(b).to_bytes(4, "little") + b + b"\0" * (len(b) % 2) for c, b in chunks)
+    return b"RIFF" + (len(body) if riff_size is None else riff_size).to_bytes(4, "little") + body
+
+
+def test_an_empty_data_chunk_followed_by_another_chunk_is_an_empty_recording(tmp_path):
+    """A data size of 0 followed by a chunk (a LIST/INFO tag a tagger appended to an empty recording) is
+    no stream's placeholder: libsndfile reads 0 samples; the tag's bytes were read as samples. A
+    placeholder is still read to its end where the RIFF size ends the file at the data chunk's header
+    (written before the samples) or the bytes after it are no chunk header within the file."""
+    from tandem.asr.audio import read_header
+
+    fmt = (b"fmt ", struct.pack("<HHIIHH", 1, 1, 8000, 16000, 2, 16))  # PCM, mono, 8 kHz, 16-bit
+    name = b"Voice memo 12, recorded on my phone\0" * 20
+    tag = (b"LIST", b"INFO" + b"INAM" + struct.pack("<I", len(name)) + name)
+    tagged = tmp_path / "tagged.wav"
+    tagged.write_bytes(_riff(fmt, (b"data", b""), tag))
+    assert sf.info(str(tagged)).frames == 0
+    assert read_header(tagged) == (0, 8000)
+    for source in (tagged, tagged.read_bytes()):
+        with pytest.raises(AudioError, match=r"^tagged: empty recording \(0 samples\)$"):
+            read_audio(source, name="tagged")
+    # 16-bit samples whose first bytes look like a chunk header ("LIST", a size within the file)
+    samples = b"LIST" + (8).to_bytes(4, "little") + (np.arange(400) * 50 - 10000).astype("<i2").tobytes()
+    for case, data in (
+        ("header-only RIFF size", _riff(fmt, (b"data", samples), riff_size=36)),
+        ("size past the end", _riff(fmt, (b"data", b"LIST\xff\xff\0\0" + samples[8:]), riff_size=0)),
+    ):
+        data = bytearray(data)
+        at = data.index(b"data") + 4
+        data[at : at + 4] = bytes(4)
+        path = tmp_path / "streamed.wav"
+        path.write_bytes(bytes(data))
+        waveform, rate = read_audio(path)
+        assert (waveform.shape, rate) == ((1, 404), 8000) and read_header(path) == (404, 8000), case
 
 
 def test_a_files_bytes_are_read_as_the_file_is_and_bytes_without_a_nul_are_a_path(tmp_path):

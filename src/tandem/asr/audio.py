@@ -162,7 +162,8 @@ def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
 
 
 # Sizes a WAV writer puts in the data chunk's header when it cannot know the length (a stream, a pipe
-# it cannot seek back in): 0 or 0xFFFFFFFF, 0x7FFFF000 (sox), 0x7FFFFFFF (arecord and others)
+# it cannot seek back in): 0 or 0xFFFFFFFF, 0x7FFFF000 (sox), 0x7FFFFFFF (arecord and others). 0 is also
+# an empty recording's true size: it is a placeholder only where no chunk follows (:func:`_chunk_follows`).
 _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF)
 # What the containers that announce their samples' size look like: the first bytes, where the form type
 # is and what it must be, the chunk ids' length, the size fields' length and byte order, the bytes a
@@ -252,7 +253,7 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
             if chunk == sample_id:
                 held = end - f.tell() - skip
                 if head[:4] == b"RIFF":
-                    known = size not in _WAV_UNKNOWN_SIZES
+                    known = size not in _WAV_UNKNOWN_SIZES or (size == 0 and _chunk_follows(f, head, end))
                     return head[:4], (size if known else None), held, f.tell() - size_len
                 if ds64 is not None and size == 0xFFFFFFFF:
                     size = ds64
@@ -264,6 +265,25 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
             f.seek(body + (-body % pad), io.SEEK_CUR)  # chunks are padded to a multiple of ``pad``
     finally:
         f.seek(0)
+
+
+def _chunk_follows(f: BinaryIO, head: bytes, end: int) -> bool:
+    """Whether a RIFF WAV's data chunk of size 0, whose header ``f`` has just been read (``head``: the
+    file's first bytes, ``end``: its size), is empty for real: another chunk follows it (a tag appended
+    after an empty recording), as libsndfile reads it. It is a stream's placeholder, read to the end,
+    where the RIFF size says the file ends at that header (written before the samples), or the bytes
+    after it are no chunk header: an id of printable ASCII (a space not first) and a size within the
+    file. ``f`` is left where it was."""
+    at = f.tell()
+    riff = int.from_bytes(head[4:8], "little")
+    if riff not in _WAV_UNKNOWN_SIZES and riff + 8 <= at:
+        return False
+    header = f.read(8)
+    f.seek(at)
+    if len(header) < 8:
+        return False
+    name, size = header[:4], int.from_bytes(header[4:], "little")
+    return all(0x20 <= c <= 0x7E for c in name) and name[0] != 0x20 and at + 8 + size <= end
 
 
 def _readable(f: BinaryIO, label: str) -> BinaryIO:
