@@ -142,6 +142,111 @@ def test_every_kind_of_problem_is_named_with_its_line(manifests, tmp_path):
         assert message in str(error.value) and "1 problem(s)" in str(error.value), name
 
 
+def _speech(path: Path, channels: int = 1, rate: int = 8000) -> Path:
+    """Half a second of noise at speech level: a recording the check takes for a one-letter transcript."""
+    noise = np.random.default_rng(0).uniform(-0.3, 0.3, (rate // 2, 1))
+    soundfile.write(str(path), np.repeat(noise, channels, 1), rate, subtype="PCM_16")
+    return path
+
+
+def _problem(path: Path) -> str:
+    """The one problem :func:`read_manifest` finds in the manifest ``path``."""
+    with pytest.raises(ManifestError) as error:
+        read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
+    message = str(error.value)
+    assert "1 problem(s)" in message, message
+    return message
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        PermissionError(13, "Permission denied"),
+        IsADirectoryError(21, "Is a directory"),
+        OSError(5, "Input/output error"),
+    ],
+    ids=["permission", "directory", "io"],
+)
+def test_a_file_that_cannot_be_opened_is_a_problem_naming_it_and_why(tmp_path, monkeypatch, error):
+    """A file the user may not read (chmod 000, another user's) or that fails to open ended the check with
+    a traceback: it is a problem of its line, as a missing file is. (Opening is made to fail: root, as in
+    a container, reads any file.)"""
+    from tandem.asr import manifest
+
+    good, locked = _speech(tmp_path / "good.wav"), _speech(tmp_path / "locked.wav")
+    real = open
+
+    def opening(file, *args, **kwargs):
+        if Path(file) == locked:
+            raise type(error)(error.errno, error.strerror, str(file))
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(manifest, "open", opening, raising=False)
+    lines = [{"audio_filepath": str(good), "text": "a"}, {"audio_filepath": "locked.wav", "text": "a"}]
+    message = _problem(_manifest(tmp_path, lines))
+    assert f"m.jsonl:2: audio file {locked}: cannot read it ({error.strerror})" in message, message
+
+
+def test_a_recording_of_no_samples_is_refused(tmp_path):
+    """An empty file, or a ``duration`` shorter than one sample, passed the check and stopped training when
+    it was met ('empty recording', hours into a run): each is its line's problem."""
+    good, empty = _speech(tmp_path / "good.wav"), tmp_path / "empty.wav"
+    soundfile.write(str(empty), np.zeros((0, 1)), 8000, subtype="PCM_16")
+    ok = {"audio_filepath": str(good), "text": "a"}
+    message = _problem(_manifest(tmp_path, [ok, {"audio_filepath": str(empty), "text": "a"}]))
+    assert f"m.jsonl:2: audio file {empty}: an empty recording (0 samples)" in message, message
+    for duration in (0.00001, 0.4 / 8000):
+        message = _problem(_manifest(tmp_path, [ok, {**ok, "duration": duration, "offset": 0.25}]))
+        expected = f"m.jsonl:2: 'duration' {duration} s holds no sample of audio file {good} (one sample is"
+        assert expected in message and "0.000125 s at its 8000 Hz)" in message, message
+    # one sample is a recording
+    (entry,) = read_manifest(
+        _manifest(tmp_path, [{**ok, "duration": 0.6 / 8000}]), ENGLISH, FeatureConfig(), ModelConfig()
+    )
+    assert (entry.start, entry.frames, entry.samples) == (0, 1, 1)
+
+
+def test_a_huge_offset_or_duration_is_refused_not_an_overflow(tmp_path):
+    """A finite but huge ``offset`` (1e308 s) raised OverflowError from the sample it starts at: it is past
+    the end of the file, as a duration that long is, each written in a few digits."""
+    good = _speech(tmp_path / "good.wav")
+    ok = {"audio_filepath": str(good), "text": "a"}
+    for extra, expected in (
+        (
+            {"offset": 1e308},
+            f"m.jsonl:2: 'offset' 1e+308 s is at or past the end of audio file {good} (0.500 s",
+        ),
+        (
+            {"duration": 1e308},
+            f"m.jsonl:2: 'offset' + 'duration' = 1e+308 s reaches past the end of audio file {good} (0.500 s",
+        ),
+        ({"offset": 1e308, "duration": 1e308}, "m.jsonl:2: 'offset' 1e+308 s is at or past the end"),
+        ({"offset": 0.1, "duration": 1.7e308}, "m.jsonl:2: 'offset' + 'duration' = 1.7e+308 s reaches past"),
+    ):
+        message = _problem(_manifest(tmp_path, [ok, {**ok, **extra}]))
+        assert expected in message, message
+
+
+def test_a_file_with_more_channels_than_an_array_may_have_is_trained_on(tmp_path):
+    """A file's samples are [channels, samples] whatever their number: a 100-channel take (a microphone
+    array) passed the check and then stopped training, told to 'pass its transpose'."""
+    from tandem.asr.audio import MAX_CHANNELS, read_audio, to_model_input
+    from tandem.asr.manifest import ManifestSet
+
+    wide = _speech(tmp_path / "wide.wav", channels=MAX_CHANNELS + 36)
+    entries = read_manifest(
+        _manifest(tmp_path, [{"audio_filepath": str(wide), "text": "a"}]),
+        ENGLISH,
+        FeatureConfig(),
+        ModelConfig(),
+    )
+    data = ManifestSet(entries, 8000)
+    waveform, rate = read_audio(wide)
+    assert waveform.shape[0] == 100
+    expected = to_model_input(waveform[:1], rate, 8000)  # every channel the same: the mix is one of them
+    assert torch.allclose(data.render(data.plan(0)[0]), expected, atol=1e-6)
+
+
 def test_offset_and_duration_cut_segments_out_of_a_recording_as_nemo_reads_them(manifests, tmp_path):
     """NeMo reads ``duration`` seconds from ``offset`` (0 if absent), or to the end without a duration:
     each line trains on its own segment (the whole file was read for every line, without a word)."""

@@ -11,10 +11,11 @@ skipped.
 :func:`read_manifest` checks every line before training starts and raises one :class:`ManifestError`
 that lists the problems (up to a limit), each with the manifest, the line and what is wrong: invalid
 JSON, a missing key, empty text, characters outside the alphabet, a missing or unreadable file, a WAV
-cut short, a sample rate outside 1 kHz-768 kHz, an ``offset`` or ``duration`` that is no number of
-seconds or reaches past the file's end, or audio too short for its transcript under CTC (fewer output
-frames than the labels need). It reads each file's header, not its samples: a silent recording is
-found when training reads it, and trained on as it is with a warning (:meth:`ManifestSet.render`).
+cut short, a sample rate outside 1 kHz-768 kHz, a recording of no samples, an ``offset`` or ``duration``
+that is no number of seconds, reaches past the file's end or holds no sample, or audio too short for its
+transcript under CTC (fewer output frames than the labels need). It reads each file's header, not its
+samples: a silent recording is found when training reads it, and trained on as it is with a warning
+(:meth:`ManifestSet.render`).
 """
 
 from __future__ import annotations
@@ -158,16 +159,19 @@ def check_entry(
         return f"characters {chars!r} are not in the alphabet {alphabet.characters!r} (--alphabet adds them)"
     audio = Path(item["audio_filepath"])
     audio = audio if audio.is_absolute() else manifest.parent / audio
-    if audio.is_dir():
-        return f"audio file {audio}: a directory, not a file"
-    if not audio.is_file():
-        return f"audio file {audio}: no such file"
     offset, duration = (_seconds(item, key) for key in ("offset", "duration"))
-    for key, value, least in (("offset", offset, "0 or more"), ("duration", duration, "above 0")):
-        if isinstance(value, str):
-            return f"expected {key!r} to be a number of seconds, {least}, got {value}"
-    with open(audio, "rb") as f:
-        cut = truncation_message(f)
+    try:
+        if audio.is_dir():
+            return f"audio file {audio}: a directory, not a file"
+        if not audio.is_file():
+            return f"audio file {audio}: no such file"
+        for key, value, least in (("offset", offset, "0 or more"), ("duration", duration, "above 0")):
+            if isinstance(value, str):
+                return f"expected {key!r} to be a number of seconds, {least}, got {value}"
+        with open(audio, "rb") as f:
+            cut = truncation_message(f)
+    except OSError as e:  # no permission to read it (or to search its folder), an I/O error
+        return f"audio file {audio}: cannot read it ({e.strerror or e})"
     if cut is not None:
         return f"audio file {audio}: {cut}"
     try:
@@ -180,17 +184,25 @@ def check_entry(
             f"audio file {audio}: sample rate {rate} Hz is outside the rates taken, "
             f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz (a broken header?)"
         )
-    start, taken = round((offset or 0.0) * rate), -1
-    if start and start >= length:
+    if length == 0:  # (libsndfile reads such a file as no samples; training would stop at it)
+        return f"audio file {audio}: an empty recording (0 samples)"
+    # past the end is decided before rounding: a huge offset (1e308 s) is no number of samples
+    if offset and (offset * rate >= length or round(offset * rate) >= length):
         return f"'offset' {offset} s is at or past the end of audio file {audio} ({length / rate:.3f} s long)"
+    start, taken = round((offset or 0.0) * rate), -1
     if duration is not None:
         end = (offset or 0.0) + duration
         if end > length / rate + DURATION_SLACK_S:
             return (
-                f"'offset' + 'duration' = {end:.3f} s reaches past the end of audio file {audio} "
-                f"({length / rate:.3f} s long)"
+                f"'offset' + 'duration' = {_format_seconds(end)} s reaches past the end of audio file "
+                f"{audio} ({length / rate:.3f} s long)"
             )
         taken = min(round(duration * rate), length - start)
+        if taken == 0:
+            return (
+                f"'duration' {duration} s holds no sample of audio file {audio} (one sample is "
+                f"{1 / rate:.3g} s at its {rate} Hz)"
+            )
         if start == 0 and taken == length:
             taken = -1  # the whole file
     kept = length - start if taken < 0 else taken
@@ -203,6 +215,12 @@ def check_entry(
             f"gives {frames} output frames, the {len(text)} characters need {needed}"
         )
     return Entry(audio, text, samples, number, start, taken)
+
+
+def _format_seconds(seconds: float) -> str:
+    """``seconds`` to the millisecond, or in scientific notation where that would be hundreds of digits
+    (an ``offset`` or ``duration`` of 1e308)."""
+    return f"{seconds:.3f}" if seconds < 1e9 else f"{seconds:.3g}"
 
 
 def _seconds(item: dict, key: str) -> float | str | None:
@@ -267,7 +285,11 @@ class ManifestSet:
         entry = self.entries[utterance.index]
         try:
             waveform, rate = read_audio(entry.path, silent_ok=True, start=entry.start, frames=entry.frames)
-            audio = to_model_input(waveform, rate, self.sample_rate, name=str(entry.path), silent_ok=True)
+            # a file's samples are [channels, samples] by construction: more than MAX_CHANNELS (a
+            # microphone array's take) is no transposed array
+            audio = to_model_input(
+                waveform, rate, self.sample_rate, name=str(entry.path), layout_checked=True, silent_ok=True
+            )
         except AudioError as e:
             raise AudioError(f"{e} ({self.name} line {entry.line})") from None
         peak = float(audio.abs().max())
