@@ -307,6 +307,37 @@ def test_checkpoints_that_are_not_recognizers_are_refused_naming_the_file(
         assert "--task classify" in message
 
 
+def test_weights_that_do_not_fit_are_named_with_the_settings_the_config_lacks(tmp_path, checkpoint):
+    """The message kept torch's first line, "Error(s) in loading state_dict for DeepSpeech2:", naming no
+    weight: it names those missing, unexpected and of another shape (a few, then how many more), and the
+    settings a model_config lacks, whose defaults made the weights not fit."""
+    state = torch.load(checkpoint, weights_only=True)
+    weights = {k: v for k, v in state["model"].items() if k != "head.weight"}
+    extra = {f"extra.{i}": torch.zeros(1) for i in range(6)}
+    config = {k: v for k, v in state["model_config"].items() if k != "hidden"}
+    fits = "does not make a recognizer: its weights do not fit the model its model_config describes: "
+    cases = {
+        "missing": ({"model": weights}, fits + "missing head.weight"),
+        "unexpected": (
+            {"model": {**state["model"], **extra}},
+            "unexpected extra.0, extra.1, extra.2, extra.3 and 2 more",
+        ),
+        "both": ({"model": {**weights, **extra}}, fits + "missing head.weight; unexpected extra.0"),
+        "config": (
+            {"model_config": config},
+            f"of another shape rnns.0.weight_ih_l0 [{3 * SMALL['hidden']}, ",
+        ),
+    }
+    for case, (changed, expected) in cases.items():
+        path = tmp_path / f"{case}.pt"
+        torch.save({**state, **changed}, path)
+        with pytest.raises(CheckpointError) as info:
+            Recognizer.from_checkpoint(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: ") and expected in message and "\n" not in message, message
+    assert " more (its model_config lacks 'hidden': the defaults hidden=128 were taken)" in message, message
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
 def test_cuda_without_cuda_is_a_clear_error(checkpoint):
     with pytest.raises(ValueError, match="device 'cuda' was asked for, but CUDA is not available"):

@@ -12,10 +12,11 @@ what it is batched with.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,8 +151,13 @@ class Recognizer:
             features = FeatureConfig(**state["feature_config"])
             alphabet = Alphabet(state["alphabet"])
             model = DeepSpeech2(config, TANDEM_PARTS)
+            mismatch = _weights_mismatch(model, state["model"], state["model_config"])
+            if mismatch is not None:
+                raise CheckpointError(f"{Path(path)}: does not make a recognizer: {mismatch}")
             model.load_state_dict(state["model"])
             recognizer = cls(model, features, alphabet, fit_edges=fit_edges)
+        except CheckpointError:
+            raise
         except (TypeError, ValueError, KeyError, RuntimeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"{Path(path)}: does not make a recognizer: {first}") from None
@@ -408,3 +414,42 @@ def _check_fit_edges(fit_edges: bool) -> bool:
 def _check_batch_size(batch_size: int) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"Recognizer: expected a positive integer batch_size, got {batch_size!r}")
+
+
+# Weights a message names of each kind (missing, unexpected, of another shape) before "and N more"
+_NAMED = 4
+
+
+def _named(names: list[str]) -> str:
+    """The first :data:`_NAMED` of ``names``, then how many more."""
+    more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+    return ", ".join(names[:_NAMED]) + more
+
+
+def _weights_mismatch(model: DeepSpeech2, weights: object, config: Mapping[str, object]) -> str | None:
+    """What keeps a checkpoint's ``weights`` from loading into ``model``, built from its ``config`` (its
+    ``model_config``): the weights missing, unexpected and of another shape, a few of each by name, and the
+    settings ``config`` lacks (taken as their defaults, so most likely the cause); None if they fit, or if
+    ``weights`` is no mapping (``load_state_dict`` says so)."""
+    if not isinstance(weights, Mapping):
+        return None
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in weights]
+    unexpected = [str(k) for k in weights if k not in expected]
+    reshaped = [
+        f"{k} {list(weights[k].shape)} (the model's {list(v.shape)})"
+        for k, v in expected.items()
+        if isinstance(weights.get(k), Tensor) and weights[k].shape != v.shape
+    ]
+    kinds = (("missing", missing), ("unexpected", unexpected), ("of another shape", reshaped))
+    found = [f"{kind} {_named(names)}" for kind, names in kinds if names]
+    if not found:
+        return None
+    said = f"its weights do not fit the model its model_config describes: {'; '.join(found)}"
+    lacked = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in config]
+    if lacked:
+        defaults = ", ".join(f"{name}={getattr(model.config, name)!r}" for name in lacked)
+        said += (
+            f" (its model_config lacks {', '.join(map(repr, lacked))}: the defaults {defaults} were taken)"
+        )
+    return said
