@@ -121,6 +121,59 @@ def test_a_name_with_a_newline_or_tab_is_escaped_and_its_line_marked(setup, caps
     ]
 
 
+def test_a_name_with_a_backslash_is_escaped_as_sha256sum_escapes_it(setup, capsys, tmp_path):
+    """A backslash in a name was written as it is: the file ``\\nx.wav`` printed as the escaped name of
+    ``<newline>x.wav``. As sha256sum writes them, a name with a backslash is escaped (``\\\\``) and its
+    line marked with a leading backslash, so the two lines differ."""
+    import shutil
+
+    root, files, texts = setup
+    odd = [tmp_path / "\\nx.wav", tmp_path / "\nx.wav", tmp_path / "back\\slash.wav"]
+    for path in odd:
+        shutil.copy(files[0], path)
+    code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), *map(str, odd), files[2])
+    assert (code, err) == (0, [])
+    assert out == [
+        f"\\{tmp_path}/\\\\nx.wav\t{texts[0]}",
+        f"\\{tmp_path}/\\nx.wav\t{texts[0]}",
+        f"\\{tmp_path}/back\\\\slash.wav\t{texts[0]}",
+        f"{files[2]}\t{texts[2]}",
+    ]
+
+
+def test_names_that_standard_output_cannot_encode_are_written_as_escapes(setup, monkeypatch, tmp_path):
+    """Under PYTHONIOENCODING=latin-1 a name with a character beyond it ended the run in a
+    UnicodeEncodeError traceback, the files after it lost. The character is written as Python's escape (the
+    line marked as an escaped name's), and a JSON line is written in ASCII; what the encoding holds is
+    written as it is."""
+    import shutil
+
+    root, files, texts = setup
+    names = [tmp_path / "ünï 声.wav", tmp_path / "ünï.wav"]
+    for path in names:
+        shutil.copy(files[0], path)
+    for flag in ([], ["--json"]):
+        output = io.TextIOWrapper(io.BytesIO(), encoding="latin-1", newline="\n")
+        monkeypatch.setattr(sys, "stdout", output)
+        code = main(["transcribe", "--model", str(root / "checkpoint.pt"), *flag, *map(str, names), files[2]])
+        output.flush()
+        lines = output.buffer.getvalue().decode("latin-1").splitlines()
+        assert code == 0, lines
+        if not flag:
+            assert lines == [
+                f"\\{tmp_path}/ünï \\u58f0.wav\t{texts[0]}",
+                f"{tmp_path}/ünï.wav\t{texts[0]}",
+                f"{files[2]}\t{texts[2]}",
+            ]
+        else:
+            assert lines[0].isascii() and not lines[1].isascii() and "ünï.wav" in lines[1]
+            records = [json.loads(line) for line in lines]
+            assert [(r["path"], r["text"]) for r in records] == [
+                *((str(n), texts[0]) for n in names),
+                (files[2], texts[2]),
+            ]
+
+
 def test_json_lines(setup, capsys):
     root, files, texts = setup
     code, out, err = _run(capsys, "--model", str(root / "checkpoint.pt"), "--json", *files)

@@ -1,13 +1,15 @@
 r"""``tandem transcribe``: recordings in, one line of text per recording out, with a trained recognizer.
 
-Prints ``path<TAB>text`` per file in the order of the arguments (a path holding a newline, a carriage
-return or a tab is written with them and its backslashes escaped, ``\n``, ``\r``, ``\t``, ``\\``, and its
-line starts with a backslash, as ``sha256sum`` writes such names; ``--json``: one JSON object per line
-with ``path``, ``text``, ``audio_seconds`` and ``compute_seconds``, or ``path``, ``text`` null and
-``error`` for a file that cannot be transcribed). A file that cannot be transcribed
-(missing, not audio, empty, silent) gets one line on stderr naming it, the others are still transcribed,
-and the exit status is 1. A ``--model`` that is not a recognizer checkpoint stops everything with exit
-status 2. ``-`` reads a recording (WAV bytes) from standard input.
+Prints ``path<TAB>text`` per file in the order of the arguments. As ``sha256sum`` writes names, a path
+holding a backslash, a newline or a carriage return (or a tab, the separator here) is escaped, its line
+starting with a backslash: ``\\`` for a backslash, ``\n``, ``\r``, ``\t``; a character that standard
+output's encoding cannot hold (``PYTHONIOENCODING=latin-1``) is written as Python's escape, ``\u58f0``,
+and its path is escaped too. ``--json``: one JSON object per line with ``path``, ``text``,
+``audio_seconds`` and ``compute_seconds``, or ``path``, ``text`` null and ``error`` for a file that cannot
+be transcribed (in ASCII, ``\uXXXX``, where the output's encoding cannot hold the line). A file that
+cannot be transcribed (missing, not audio, empty, silent) gets one line on stderr naming it, the others
+are still transcribed, and the exit status is 1. A ``--model`` that is not a recognizer checkpoint stops
+everything with exit status 2. ``-`` reads a recording (WAV bytes) from standard input.
 
 Example::
 
@@ -88,19 +90,49 @@ class _ClosedStdin:
         raise OSError("standard input is closed")
 
 
-def _undecodable(name: str) -> bool:
-    """Whether ``name`` holds bytes that were not UTF-8 (Python's surrogate escapes U+DC80-U+DCFF)."""
-    return any("\udc80" <= c <= "\udcff" for c in name)
+def _json_line(record: dict[str, object]) -> str:
+    """``record`` as a JSON line, its characters as they are where standard output's encoding holds them
+    all, else in ASCII (``\\uXXXX``; a name's bytes that were not UTF-8, Python's surrogate escapes, too:
+    valid JSON, unlike the raw bytes)."""
+    line = json.dumps(record, ensure_ascii=False)
+    try:
+        line.encode(_encoding())
+    except UnicodeEncodeError:
+        return json.dumps(record, ensure_ascii=True)
+    return line
 
 
 class _OutputError(Exception):
     """Standard output failed (``> /dev/full``, a full disk), other than a reader that left."""
 
 
+def _encoding() -> str:
+    """Standard output's encoding (UTF-8 for a stream that names none)."""
+    return getattr(sys.stdout, "encoding", None) or "utf-8"
+
+
+def _fits(text: str, encoding: str) -> bool:
+    """Whether standard output in ``encoding`` writes ``text`` as it is (a name's bytes that were not UTF-8,
+    as surrogate escapes, are written as those bytes)."""
+    try:
+        text.encode(encoding, "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _writable(text: str, encoding: str) -> str:
+    """``text`` with each character ``encoding`` cannot hold as Python's backslash escape (``\\xe9``,
+    ``\\u58f0``): a traceback would lose the files after it."""
+    if _fits(text, encoding):
+        return text
+    return "".join(c if _fits(c, encoding) else c.encode("ascii", "backslashreplace").decode() for c in text)
+
+
 def _emit(line: str) -> None:
     """One line on standard output, flushed, so that each file's line is out as soon as it is known."""
     try:
-        print(line, flush=True)
+        print(_writable(line, _encoding()), flush=True)
     except BrokenPipeError:
         raise
     except OSError as e:
@@ -114,9 +146,11 @@ def _drop_stdout() -> None:
 
 
 def _plain_path(path: str) -> str:
-    """``path`` as a ``path<TAB>text`` line starts: as it is, or escaped (see the module docstring) when
-    a newline, carriage return or tab in it would break the line."""
-    if not any(c in path for c in "\n\r\t"):
+    """``path`` as a ``path<TAB>text`` line starts: as it is, or escaped and marked with a leading
+    backslash (see the module docstring) when a newline, carriage return or tab in it would break the line,
+    a backslash in it would read as an escape, or standard output cannot hold a character of it (written
+    as an escape by :func:`_emit`)."""
+    if not any(c in path for c in "\\\n\r\t") and _fits(path, _encoding()):
         return path
     escaped = path.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
     return "\\" + escaped
@@ -164,8 +198,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 failed += 1
                 print(f"{PROG}: error: {result.error}", file=sys.stderr, flush=True)
                 if args.json:  # its line too, so that a reader of the JSON lines sees every file
-                    record = {"path": arg, "text": None, "error": result.error}
-                    _emit(json.dumps(record, ensure_ascii=_undecodable(arg)))
+                    _emit(_json_line({"path": arg, "text": None, "error": result.error}))
             elif args.json:
                 record = {
                     "path": arg,
@@ -173,7 +206,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     "audio_seconds": round(result.audio_seconds, 4),
                     "compute_seconds": round(result.seconds, 4),
                 }
-                _emit(json.dumps(record, ensure_ascii=_undecodable(arg)))
+                _emit(_json_line(record))
             else:
                 _emit(f"{_plain_path(arg)}\t{result.text}")
     except BrokenPipeError:  # `tandem transcribe ... | head`: the reader left; nothing more to say
