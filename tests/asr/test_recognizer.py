@@ -345,6 +345,25 @@ def test_cuda_without_cuda_is_a_clear_error(checkpoint):
     assert Recognizer.from_checkpoint(checkpoint, device="auto").device == torch.device("cpu")
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "mps",
+        "meta",
+        "nonsense",
+        pytest.param(7, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="an index is CUDA's")),
+    ],
+    ids=str,
+)
+def test_a_device_the_recognizer_cannot_run_on_is_a_value_error_naming_it(checkpoint, device):
+    """As documented: a ValueError naming the device (an 'mps' or an index raised torch's RuntimeError, and
+    'meta' was taken, to fail deep in torch at the first recording)."""
+    with pytest.raises(
+        ValueError, match=f"expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got '?{device}"
+    ):
+        Recognizer.from_checkpoint(checkpoint, device=device)
+
+
 class _SaysLoud(torch.nn.Module):
     """A stand-in for the acoustic model: 'a' at output frames whose input frames are loud (mean feature
     above 0: the features are normalised per utterance, the quiet below its mean, a burst above), the blank

@@ -77,9 +77,16 @@ class FileTranscript:
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
+    if isinstance(device, str) and device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:  # an index (an accelerator's) where none is, a bad string
+        raise ValueError(
+            f"Recognizer: expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})"
+        ) from None
+    if dev.type not in ("cpu", "cuda"):  # the kernels run on these; 'meta' computes nothing
+        raise ValueError(f"Recognizer: expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {str(dev)!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"Recognizer: device {str(dev)!r} was asked for, but CUDA is not available")
     return dev
@@ -141,7 +148,7 @@ class Recognizer:
             CheckpointError: ``path`` is missing, truncated, of another kind (a ``--task classify``
                 checkpoint) or version, or its settings and weights do not make a recognizer; the
                 message names the file.
-            ValueError: ``device`` is CUDA and there is none.
+            ValueError: ``device`` is none of those, or is CUDA and there is none.
         """
         dev = _resolve_device(device)
         _check_fit_edges(fit_edges)
