@@ -143,6 +143,9 @@ class LogMel(torch.nn.Module):
 # entries (8 MB: every common rate pair is far below); rates whose reduced ratio is larger (8001 Hz,
 # 11127 Hz) are interpolated output by output instead, with the same filter.
 _TABLE_ENTRIES = 2**20
+# The interpolation's own table (``new`` phases of its ``2 * width + 2`` taps) is kept up to this many
+# entries (32 MB in float64: 44101 Hz to 8 kHz needs 1.5 M); larger, each output's taps are computed.
+_PHASE_ENTRIES = 2**22
 
 
 def _width(orig: int, new: int, zeros: int, rolloff: float) -> tuple[float, int]:
@@ -176,15 +179,31 @@ def _resample_direct(x: Tensor, orig: int, new: int, zeros: int, rolloff: float,
     dtype = x.dtype if x.is_floating_point() else torch.float32
     xp = torch.nn.functional.pad(x.to(dtype), (width, width + 2))  # index j + width is input sample j
     out = x.new_empty(x.shape[0], out_length, dtype=dtype)
+    # Output n's filter depends on n only through n % new (its distance to input j is (j - n * orig /
+    # new) / orig, and n * orig % new repeats with period new): one row per phase where that table is
+    # small, the sinc of every output's taps otherwise (a rate such as 767999 Hz).
+    table = None
+    if new * len(taps) <= _PHASE_ENTRIES:
+        phase = torch.arange(new, dtype=torch.int64)[:, None] * orig % new
+        table = _sinc(_distance(taps * new - phase, orig, new, cutoff), zeros, cutoff, orig).to(dtype)
     chunk = max(1, 2**22 // len(taps))
     for start in range(0, out_length, chunk):
         n = torch.arange(start, min(start + chunk, out_length), dtype=torch.int64)  # output indices
         j = (n * orig // new)[:, None] + taps  # [c, taps]: input indices, exact integer arithmetic
-        t = (j * new - n[:, None] * orig).to(torch.float64) / (orig * new) * cutoff
-        weights = _sinc(t, zeros, cutoff, orig).to(dtype)
+        if table is not None:
+            weights = table[n % new]
+        else:
+            weights = _sinc(_distance(j * new - n[:, None] * orig, orig, new, cutoff), zeros, cutoff, orig)
+            weights = weights.to(dtype)
         j = (j + width).clamp(0, xp.shape[1] - 1)  # past either end: the zero padding (weights vanish)
         out[:, start : start + len(n)] = (xp[:, j] * weights).sum(-1)
     return out
+
+
+def _distance(scaled: Tensor, orig: int, new: int, cutoff: float) -> Tensor:
+    """Distances to an output in units of the cut-off, from ``scaled``: (input index * new - output index
+    * orig), exact integers."""
+    return scaled.to(torch.float64) / (orig * new) * cutoff
 
 
 def resample(
