@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,7 @@ class RNNLayers(torch.nn.RNNBase):
         names: tuple[str, ...],
         dtype: torch.dtype | None = None,
         input_requires_grad: bool = True,
+        frozen: list[Callable[[Tensor], None]] | None = None,
     ) -> tuple[Tensor | None, ...]:
         """The layer's parameters ``names`` (of ``weights``, :meth:`_current_weights`) stacked over
         directions (``[D, ...]``, a copy), None where absent; cast to ``dtype`` if given (autocast: the
@@ -123,7 +125,9 @@ class RNNLayers(torch.nn.RNNBase):
         before ``backward()``) makes that backward raise autograd's "modified by an inplace operation"
         RuntimeError exactly where torch's layers raise it, the parameters torch's ops save: the
         recurrent and projection weights, and the input weights if the layer's input requires grad;
-        never the biases. The ops save their copies, so the parameters' versions are checked by a hook.
+        never the biases. The ops save their copies, so the parameters' versions are checked by a hook:
+        on the copy's gradient, or, for a parameter that needs none (frozen), one of the checks added to
+        ``frozen`` that :meth:`_check_frozen_in_backward` hooks on the layer's outputs.
         """
         suffixes = ("", "_reverse") if self.bidirectional else ("",)
         stacked: list[Tensor | None] = []
@@ -140,23 +144,48 @@ class RNNLayers(torch.nn.RNNBase):
                 weight = weight if dtype is None else weight.to(dtype)
             if name in ("weight_hh", "weight_hr") or (name == "weight_ih" and input_requires_grad):
                 self._check_versions_in_backward(
-                    weight, per_direction, [f"{name}_l{layer}{s}" for s in suffixes]
+                    weight, per_direction, [f"{name}_l{layer}{s}" for s in suffixes], frozen
                 )
             stacked.append(weight)
         return tuple(stacked)
 
-    def _check_versions_in_backward(self, copy: Tensor, originals: list[Tensor], names: list[str]) -> None:
+    def _check_versions_in_backward(
+        self,
+        copy: Tensor,
+        originals: list[Tensor],
+        names: list[str],
+        frozen: list[Callable[[Tensor], None]] | None = None,
+    ) -> None:
         """Raise autograd's in-place error in the backward through ``copy`` if one of ``originals`` (the
-        parameters it was made from) has changed in place since now."""
-        if not (copy.requires_grad and torch.is_grad_enabled()) or transformed():
+        parameters it was made from) has changed in place since now: a hook on ``copy``'s gradient, or
+        where it needs none (frozen parameters: torch's ops save them all the same), the check added to
+        ``frozen``."""
+        if not torch.is_grad_enabled() or transformed():
             return
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return
+        if not copy.requires_grad and frozen is None:
             return
         try:
             versions = [t._version for t in originals]
         except RuntimeError:  # inference tensors keep no version
             return
-        copy.register_hook(functools.partial(_versions_unchanged, self.mode, originals, names, versions))
+        check = functools.partial(_versions_unchanged, self.mode, originals, names, versions)
+        if copy.requires_grad:
+            copy.register_hook(check)
+        else:
+            frozen.append(check)
+
+    @staticmethod
+    def _check_frozen_in_backward(
+        outputs: tuple[Tensor, ...], frozen: list[Callable[[Tensor], None]]
+    ) -> None:
+        """The checks of :meth:`_layer_weights`'s frozen parameters, run when a gradient of the layer's
+        ``outputs`` (output, final states) is computed: the layer's backward follows."""
+        for out in outputs:
+            if out.requires_grad:
+                for check in frozen:
+                    out.register_hook(check)
 
     def _dispatch(self, input: Tensor | PackedSequence, hx: Any) -> Any:
         """The forward: torch's own where tandem's kernels do not take the call; under autocast on the

@@ -110,16 +110,20 @@ class GRU(RNNLayers):
         layer_input = rows.data
         for layer in range(self.num_layers):
             h0 = hx[layer * num_directions : (layer + 1) * num_directions]
+            frozen: list = []
             weights = self._layer_weights(
                 weights_now,
                 layer,
                 ("weight_ih", "weight_hh", "bias_ih", "bias_hh"),
                 dtype,
                 input_requires_grad=layer_input.requires_grad,
+                frozen=frozen,
             )
             formulas = needs_formulas(rows.mini_batch, layer_input, h0, *weights)
             run_layer = gru_layer_autograd if formulas else gru_layer
             layer_input, h_last = run_layer(layer_input, rows.batch_sizes, h0, *weights)
+            if frozen:
+                self._check_frozen_in_backward((layer_input, h_last), frozen)
             h_n.append(h_last)
             layer_input = self._dropout(layer_input, layer)
         hidden = torch.cat(h_n, 0) if len(h_n) > 1 else h_n[0]

@@ -210,14 +210,22 @@ class LSTM(RNNLayers):
                     layer_input, rows.mini_batch, hx[0][span], hx[1][span], directions
                 )
             else:
+                frozen: list = []
                 weights = self._layer_weights(
-                    weights_now, layer, names, dtype, input_requires_grad=layer_input.requires_grad
+                    weights_now,
+                    layer,
+                    names,
+                    dtype,
+                    input_requires_grad=layer_input.requires_grad,
+                    frozen=frozen,
                 )
                 formulas = needs_formulas(rows.mini_batch, layer_input, hx[0][span], hx[1][span], *weights)
                 run_layer = lstm_layer_autograd if formulas else lstm_layer
                 layer_input, h_last, c_last = run_layer(
                     layer_input, rows.batch_sizes, hx[0][span], hx[1][span], *weights
                 )
+                if frozen:
+                    self._check_frozen_in_backward((layer_input, h_last, c_last), frozen)
             h_n.append(h_last)
             c_n.append(c_last)
             layer_input = self._dropout(layer_input, layer)
