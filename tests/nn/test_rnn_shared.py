@@ -325,6 +325,40 @@ def test_functional_call_with_parameters_of_another_dtype_as_torch(torch_cls, ta
 
 
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("base, other", [(torch.float32, torch.bfloat16), (torch.float64, torch.float32)])
+@pytest.mark.parametrize("name", ["weight_hh_l0", "bias_ih_l0", "weight_ih_l1_reverse", "bias_hh_l1"])
+def test_one_weight_of_another_dtype_is_refused_where_torchs_refuses(
+    torch_cls, tandem_cls, packed, base, other, name
+):
+    """One weight replaced by a tensor of another dtype (a float64 numpy array, a bfloat16 checkpoint
+    tensor): torch's products refuse the mix with a RuntimeError (its oneDNN LSTM, for dense float32,
+    takes a bfloat16 bias); tandem's kernels computed in the input's dtype without a word."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    ref = torch_cls(3, 4, num_layers=2, bidirectional=True, dtype=base)
+    ours = tandem_cls(3, 4, num_layers=2, bidirectional=True, dtype=base)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 3, 3, dtype=base)
+    outcomes = []
+    for module in (ref, ours):
+        setattr(module, name, torch.nn.Parameter(getattr(module, name).detach().to(other)))
+        try:
+            out, _ = module(pack_padded_sequence(x, [5, 4, 2]) if packed else x)
+            out = out.data if packed else out
+            out.sum().backward()
+            outcomes.append((out, getattr(module, name).grad))
+        except RuntimeError:
+            outcomes.append(RuntimeError)
+    if outcomes[0] is RuntimeError:
+        assert outcomes[1] is RuntimeError
+    else:
+        assert outcomes[1] is not RuntimeError
+        for expected, got in zip(*outcomes):
+            torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(
     "param_dtype, input_dtype",

@@ -359,6 +359,17 @@ class RNNLayers(torch.nn.RNNBase):
                     f"{self.mode}: expected {name} of dtype {data.dtype} (the input's dtype), got {t.dtype}"
                 )
 
+    def _check_weight_dtypes(self, weights: dict[str, Tensor], data: Tensor) -> None:
+        """Every weight in the input's dtype (``weights``: :meth:`_current_weights`), as torch's layers
+        need them, whose products refuse a mix (the first input weight: :meth:`check_input`); tandem's
+        kernels computed in the input's dtype without a word."""
+        for name, w in weights.items():
+            if w.dtype != data.dtype and name != "weight_ih_l0":
+                raise RuntimeError(
+                    f"{self.mode}: expected {name} of dtype {data.dtype} (the input's and the other "
+                    f"weights'), got {w.dtype}"
+                )
+
     def _dropout(self, layer_output: Tensor, layer: int) -> Tensor:
         if self.training and layer < self.num_layers - 1 and not 0.0 <= self.dropout <= 1.0:
             # a dropout set after construction: torch's rnn op's check, its error and its number format

@@ -190,6 +190,9 @@ class LSTM(RNNLayers):
         self._check_devices_and_dtypes(
             rows.data, {"hx": hx[0], "cx": hx[1]}, weights_now["weight_ih_l0"], exempt=("cx",) * float_cx
         )
+        if dtype is None and not torch_runs_onednn(rows.data, rows.packed, self.proj_size):
+            # (autocast casts the weights; oneDNN's op, which runs there, checks them as torch's does)
+            self._check_weight_dtypes(weights_now, rows.data)
         self._to_rows(rows)
 
         h_n, c_n = [], []
