@@ -352,11 +352,26 @@ def test_onednn_serves_exactly_where_torch_uses_it(case: str, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "form", ["tensor", "packed-tensor", "three", "one", "list", "packed-three", "unbatched-three"]
+    "form",
+    [
+        "tensor",
+        "packed-tensor",
+        "three",
+        "one",
+        "list",
+        "packed-three",
+        "unbatched-three",
+        "packed-one",
+        "packed-nested",
+        "unsorted-packed-one",
+        "unsorted-packed-nested",
+    ],
 )
 def test_malformed_hx_is_refused_or_taken_as_torch(form):
     """hx must be a pair: torch's lstm op refuses a tensor (TypeError, with packed input too, where tandem
-    raised its size check's RuntimeError) and three states (RuntimeError), a single state fails at hx[1];
+    raised its size check's RuntimeError) and three states (RuntimeError), a single state fails at hx[1]
+    (with sorted packed input the op's RuntimeError and TypeError, where tandem raised IndexError and
+    AttributeError);
     packed and unbatched input make a pair of hx first, in torch's forward as in tandem's, so a third
     state is dropped there without a word."""
     from torch.nn.utils.rnn import pack_sequence
@@ -375,9 +390,15 @@ def test_malformed_hx_is_refused_or_taken_as_torch(form):
         "list": [z, z],
         "packed-three": (z, z, z),
         "unbatched-three": (z[:, 0], z[:, 0], z[:, 0]),
+        "packed-one": (z,),
+        "packed-nested": ((z,), z),
+        "unsorted-packed-one": (z,),
+        "unsorted-packed-nested": ((z,), z),
     }[form]
-    if form in ("packed-three", "packed-tensor"):
+    if form.startswith("packed"):
         x = pack_sequence([torch.randn(4, 3), torch.randn(2, 3)])
+    elif form.startswith("unsorted-packed"):
+        x = pack_sequence([torch.randn(2, 3), torch.randn(4, 3)], enforce_sorted=False)
     elif form == "unbatched-three":
         x = x[:, 0]
     outcomes = []
