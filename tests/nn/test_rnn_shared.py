@@ -443,6 +443,40 @@ def test_torch_jit_trace_with_its_check_as_torch(
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+class _PackAndPad(torch.nn.Module):
+    """What a model does around its recurrent layer: pack, run, pad back."""
+
+    def __init__(self, rnn: torch.nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        out, _ = self.rnn(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        return pad_packed_sequence(out)[0]
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_a_trace_around_packing_takes_another_batch_as_torchs(torch_cls, tandem_cls):
+    """torch.jit.trace of pack -> layer (no hx) -> pad, traced on 3 sequences, run on 2 and on 4: the
+    zero states' batch is batch_sizes[0] as a tensor in the trace, as in torch's forward (tandem's int
+    made it a constant, and the traced model refused another batch)."""
+    import warnings
+
+    ref, ours = torch_cls(3, 4, dtype=torch.float64), tandem_cls(3, 4, dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 3, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace is deprecated (torch 2.13), and its warnings
+        traced = [torch.jit.trace(_PackAndPad(m), (x, torch.tensor([5, 2, 4])), check_trace=False)
+                  for m in (ref, ours)]  # fmt: skip
+    for steps, lengths in ((6, [2, 6]), (4, [4, 1, 3, 4])):
+        y = torch.randn(steps, len(lengths), 3, dtype=torch.float64)
+        expected, got = (t(y, torch.tensor(lengths)) for t in traced)
+        torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize(
     "torch_cls, tandem_cls, kwargs",
     [

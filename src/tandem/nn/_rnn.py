@@ -291,6 +291,15 @@ class RNNLayers(torch.nn.RNNBase):
             input = input.unsqueeze(batch_dim)
         return Rows(input, None, input.size(batch_dim), False, batched, batch_dim, checked=input)
 
+    @staticmethod
+    def _state_batch(rows: Rows) -> int | Tensor:
+        """The batch of the zero states made when none are given: under torch.jit.trace, a packed input's
+        ``batch_sizes[0]`` as a tensor, as torch's forward reads it, so that the trace takes another
+        batch (an int is a constant there)."""
+        if rows.packed and torch.jit.is_tracing():
+            return rows.batch_sizes[0]
+        return rows.mini_batch
+
     def _checked_batch_sizes(self, data: Tensor, batch_sizes: Tensor) -> Tensor:
         """A hand-built PackedSequence's ``batch_sizes`` checked against its ``data`` (what
         pack_padded_sequence makes passes), with the exception types of torch's layers; steps of no

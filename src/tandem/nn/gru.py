@@ -96,7 +96,7 @@ class GRU(RNNLayers):
                     f"For batched 3-D input, hx should also be 3-D but got {hx.dim()}-D tensor"
                 )
         if hx is None:
-            shape = (self.num_layers * num_directions, rows.mini_batch, self.hidden_size)
+            shape = (self.num_layers * num_directions, self._state_batch(rows), self.hidden_size)
             hx = torch.zeros(shape, dtype=rows.data.dtype, device=rows.data.device)
         hx = self._autocast_state(hx, dtype)
         # torch.nn.GRU's check_forward_args: its checks and messages

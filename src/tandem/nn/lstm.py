@@ -168,7 +168,7 @@ class LSTM(RNNLayers):
                 if not rows.batched:
                     hx = (hx[0].unsqueeze(1), hx[1].unsqueeze(1))
         if hx is None:
-            shape = (self.num_layers * num_directions, rows.mini_batch)
+            shape = (self.num_layers * num_directions, self._state_batch(rows))
             kwargs = dict(dtype=rows.data.dtype, device=rows.data.device)
             hx = (torch.zeros(*shape, out_size, **kwargs), torch.zeros(*shape, self.hidden_size, **kwargs))
         # torch.nn.LSTM's check_forward_args (above): its checks and messages
