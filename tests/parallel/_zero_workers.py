@@ -178,6 +178,11 @@ def _check_bad_arguments(rank: int, world: int) -> dict[str, Any]:
         "param_groups": good["param_groups"],
     }
     out["load_shape"] = _raises(lambda: opt.load_state_dict(bad_sum))
+    no_sum = {
+        "state": {**good["state"], 2: {"step": good["state"][2]["step"]}},
+        "param_groups": good["param_groups"],
+    }
+    out["load_no_sum"] = _raises(lambda: opt.load_state_dict(no_sum))  # torch's KeyError at its next step
 
     # A sparse gradient on the last parameter: nothing moves, not even the parameters before it.
     for p in ps:
@@ -289,6 +294,68 @@ def _check_state_dict_hooks(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def conv(seed: int = 9) -> torch.nn.Module:
+    """A float64 convolution (144 + 4 parameters: shard boundaries fall inside its weight)."""
+    torch.manual_seed(seed)
+    return torch.nn.Conv2d(4, 4, 3).double()
+
+
+def conv_batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(2, 4, 5, 5, generator=g, dtype=torch.float64).to(memory_format=torch.channels_last)
+
+
+def train_channels_last(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    """The whole batch on every rank (the same gradients everywhere, as DDP's averaged ones); the weight
+    has no gradient at step 1 (its copy must still take the other ranks' shards)."""
+    for step in steps:
+        opt.zero_grad()
+        m(conv_batch(step)).sin().sum().backward()
+        if step == 1:
+            m.weight.grad = None
+        opt.step()
+
+
+def _check_channels_last(rank: int, world: int) -> dict[str, Any]:
+    """A model converted to channels_last after the optimizer was made: its weight, the same Parameter,
+    is no longer contiguous."""
+    m = conv()
+    opt = ZeroAdagrad(m.parameters(), lr=0.1, **HYPER, timeout=TIMEOUT_S)
+    m.to(memory_format=torch.channels_last)
+    assert not m.weight.is_contiguous()
+    train_channels_last(m, opt, range(STEPS))
+    return {"params": params(m), "channels_last": m.weight.is_contiguous(memory_format=torch.channels_last)}
+
+
+def checkpoint_without_state(world: int) -> dict[str, Any]:
+    """torch.optim.Adagrad's state dict after STEPS steps, without parameter 3's state (as after an
+    add_param_group whose parameter had no gradient yet) and with a tensor lr in group 0."""
+    sd = reference(world, range(STEPS))[1].state_dict()
+    del sd["state"][3]
+    sd["param_groups"][0]["lr"] = torch.tensor(0.1, dtype=torch.float64)  # a float32 one rounds the rate
+    return sd
+
+
+def _check_load_replaces_state(rank: int, world: int) -> dict[str, Any]:
+    """Trained for STEPS steps, then loaded with checkpoint_without_state and trained on, with a
+    scheduler that changes the tensor lr in place."""
+    m = model()
+    ddp = DistributedDataParallel(m, timeout=TIMEOUT_S)
+    opt = ZeroAdagrad(groups(m), **HYPER, timeout=TIMEOUT_S)
+    train(ddp, opt, range(STEPS), world, rank)
+    sd = checkpoint_without_state(world)
+    saved_model = reference(world, range(STEPS))[0]
+    with torch.no_grad():
+        for a, b in zip(m.parameters(), saved_model.parameters()):
+            a.copy_(b)
+    opt.load_state_dict(sd)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(STEPS, STEPS + MORE):
+        train(ddp, opt, range(step, step + 1), world, rank)
+        sched.step()
+    return {"params": params(m), "checkpoint_lr": float(sd["param_groups"][0]["lr"])}
+
+
 CHECKS = {
     "state_dict_hooks": _check_state_dict_hooks,
     "group_initial_value": _check_group_initial_value,
@@ -297,6 +364,8 @@ CHECKS = {
     "mixed_dtypes": _check_mixed_dtypes,
     "bad_arguments": _check_bad_arguments,
     "mismatch": _check_mismatch,
+    "channels_last": _check_channels_last,
+    "load_replaces_state": _check_load_replaces_state,
 }
 
 

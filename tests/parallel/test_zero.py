@@ -15,6 +15,7 @@ import pytest
 import torch
 from _ranks import spawn_ranks
 
+from tandem.parallel import ZeroAdagrad
 from tandem.parallel.zero import shard_layout
 
 # float64 end to end: the averaged gradients differ from the full batch's in the order of the sums, and
@@ -133,6 +134,10 @@ def test_bad_arguments_raise_before_anything_changes(group):
             "ValueError: ZeroAdagrad.load_state_dict: expected 2 parameter groups, got 1"
         )
         assert res["load_shape"].startswith("ValueError") and "parameter 5 of shape (3,)" in res["load_shape"]
+        assert (
+            res["load_no_sum"].startswith("KeyError")
+            and "'sum' in the state of parameter 2" in res["load_no_sum"]
+        )
         assert res["sparse_grad"].startswith("RuntimeError") and "parameter 5" in res["sparse_grad"]
         ours, theirs = res["fused_differentiable"]
         assert ours == theirs == "RuntimeError: `fused` does not support `differentiable`"
@@ -175,6 +180,81 @@ def test_different_parameters_raise_on_every_rank(group):
     world, results = group
     for res in check(results, "mismatch"):
         assert res["error"].startswith("ValueError: ZeroAdagrad: the optimizer's parameters"), res["error"]
+
+
+def test_a_model_made_channels_last_after_the_optimizer_trains_as_torchs(group):
+    world, results = group
+    m = w.conv()
+    opt = torch.optim.Adagrad(m.parameters(), lr=0.1, **w.HYPER)
+    m.to(memory_format=torch.channels_last)
+    w.train_channels_last(m, opt, range(w.STEPS))
+    per_rank = check(results, "channels_last")
+    for res in per_rank:
+        assert_params(res["params"], w.params(m), **TIGHT)
+        assert res["channels_last"]  # stepped in a copy, written back into the parameter's own layout
+    for res in per_rank[1:]:
+        assert_params(res["params"], per_rank[0]["params"], rtol=0, atol=0)
+
+
+def test_load_replaces_the_whole_state_and_copies_the_groups_as_torch(group):
+    world, results = group
+    # torch.optim.Adagrad trained too before the load: parameter 3, with no state in the checkpoint,
+    # starts afresh at its next step
+    m, opt = w.reference(world, range(w.STEPS))
+    sd = w.checkpoint_without_state(world)
+    opt.load_state_dict(sd)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(w.STEPS, w.STEPS + w.MORE):
+        w.train(m, opt, range(step, step + 1), world, None)
+        sched.step()
+    for res in check(results, "load_replaces_state"):
+        assert_params(res["params"], w.params(m), **TIGHT)
+        # the scheduler's in-place change of the tensor lr left the loaded dict alone, as in torch
+        assert res["checkpoint_lr"] == float(sd["param_groups"][0]["lr"]) == 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# one rank, in this process
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_one_rank_a_model_made_channels_last_after_the_optimizer_trains_as_torchs(one_rank):
+    ours, theirs = w.conv(), w.conv()
+    for m, opt in (
+        (ours, ZeroAdagrad(ours.parameters(), lr=0.1, **w.HYPER)),
+        (theirs, torch.optim.Adagrad(theirs.parameters(), lr=0.1, **w.HYPER)),
+    ):
+        m.to(memory_format=torch.channels_last)
+        w.train_channels_last(m, opt, range(w.STEPS))
+    assert ours.weight.is_contiguous(memory_format=torch.channels_last)
+    assert_params(w.params(ours), w.params(theirs), **TIGHT)
+
+
+def test_state_dict_has_the_groups_as_they_are_now_as_torchs(one_rank):
+    saved = []
+    for cls in (ZeroAdagrad, torch.optim.Adagrad):
+        m = w.model()
+        opt = cls(w.groups(m), **w.HYPER)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        w.train(m, opt, range(2), 1, None)
+        if cls is ZeroAdagrad:
+            opt.consolidate_state_dict(to=0)
+        sched.step()  # after the state was gathered, no step in between
+        opt.param_groups[1]["eps"] = 1e-3  # an edit by hand
+        saved.append(opt.state_dict())
+    ours, theirs = saved
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert [g["lr"] for g in ours["param_groups"]] == [0.05, 0.025]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ keeps each rank's shard.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import time
 from collections.abc import Callable
@@ -141,7 +142,8 @@ class ZeroAdagrad(Optimizer):
     Args:
         params: iterable of parameters or of dicts defining parameter groups; the same, in the same
             order, on every rank (checked: a ``ValueError`` on every rank otherwise). Parameters must
-            be dense, contiguous and of a real floating dtype.
+            be dense, contiguous and of a real floating dtype; one made non-contiguous later
+            (``model.to(memory_format=torch.channels_last)``) steps through a contiguous copy.
         lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize: as
             ``torch.optim.Adagrad`` (defaults 1e-2, 0, 0, 0, 1e-10, False).
         foreach, fused: accepted (and kept in the parameter groups, so that a consolidated state dict
@@ -260,7 +262,8 @@ class ZeroAdagrad(Optimizer):
             # the constructor's value, not a group's own: torch.optim.Adagrad's rule
             self.state[p]["sum"].fill_(initial_accumulator_value)
         self._steps_taken = 0
-        self._consolidated: tuple[int, int, dict[str, Any]] | None = None  # (to, steps taken, state)
+        # (to, steps taken, every parameter's state): what consolidate_state_dict gathered
+        self._consolidated: tuple[int, int, dict[int, dict[str, Tensor]]] | None = None
 
     # ------------------------------------------------------------------------------------------
     # layout helpers
@@ -304,6 +307,14 @@ class ZeroAdagrad(Optimizer):
                 loss = closure()
         # Gather and check every group first: a bad gradient raises before anything has moved.
         self._check_same_gradients_present()
+        # A parameter made non-contiguous after construction (``model.to(memory_format=torch.channels_last)``
+        # gives it new data, as torch.optim.Adagrad allows): its shards, runs of its elements in logical
+        # order, are no views of it. It steps and takes the others' shards in a contiguous copy, copied back.
+        staged = {
+            i: p.contiguous()
+            for i, p in enumerate(self._params)
+            if not p.is_contiguous() and (self.world_size > 1 or p.grad is not None)
+        }
         work = []
         for g, group in enumerate(self.param_groups):
             ps, gs, ss, ts = [], [], [], []
@@ -323,7 +334,7 @@ class ZeroAdagrad(Optimizer):
                         f"{grad.dtype}, {grad.device}"
                     )
                 state = self.state[p]
-                ps.append(self._slice(i, p))
+                ps.append(self._slice(i, staged.get(i, p)))
                 gs.append(self._slice(i, grad))
                 ss.append(state["sum"])
                 ts.append(state["step"])  # counted on every rank, so any rank can report it
@@ -351,7 +362,9 @@ class ZeroAdagrad(Optimizer):
             )
         self._steps_taken += 1
         if self.world_size > 1:
-            self._share_shards()
+            self._share_shards(staged)
+        for i, whole in staged.items():
+            self._params[i].copy_(whole)
         return loss
 
     def _check_same_gradients_present(self) -> None:
@@ -374,9 +387,10 @@ class ZeroAdagrad(Optimizer):
                     "averaged ones), or its shards would move on some ranks only"
                 )
 
-    def _share_shards(self) -> None:
-        """Every rank's updated shard to every rank: one broadcast per transfer, all in flight at once."""
-        flats = [p.view(-1) for p in self._params]
+    def _share_shards(self, staged: dict[int, Tensor]) -> None:
+        """Every rank's updated shard to every rank: one broadcast per transfer, all in flight at once.
+        ``staged`` holds the contiguous copies that stand in for non-contiguous parameters."""
+        flats = [staged[i].view(-1) if i in staged else p.view(-1) for i, p in enumerate(self._params)]
         deadline = time.monotonic() + self.timeout
         pending = []
         for k, tr in enumerate(self._transfers):
@@ -448,15 +462,11 @@ class ZeroAdagrad(Optimizer):
             src = gathered[key][pc.owner]
             offset = pc.flat - cut_of[key][pc.owner]
             state[pc.index]["sum"].view(-1)[pc.start : pc.stop].copy_(src[offset : offset + pc.numel])
-        groups = []
-        for g, group in enumerate(self.param_groups):
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = list(self._group_indices(g))
-            groups.append(saved)
-        self._consolidated = (to, self._steps_taken, {"state": state, "param_groups": groups})
+        self._consolidated = (to, self._steps_taken, state)
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole state, in ``torch.optim.Adagrad``'s format, on the rank it was consolidated to.
+        """The whole state, in ``torch.optim.Adagrad``'s format, on the rank it was consolidated to: the
+        parameters' state as :meth:`consolidate_state_dict` gathered it, the parameter groups as they are now.
 
         Raises ``RuntimeError`` unless :meth:`consolidate_state_dict` ran on every rank since the last
         ``step()`` and this is the rank it gathered to.
@@ -466,7 +476,7 @@ class ZeroAdagrad(Optimizer):
                 "ZeroAdagrad: the optimizer state has not been consolidated on this rank. Call "
                 "consolidate_state_dict(to) on all ranks beforehand, then state_dict() on rank `to`."
             )
-        to, taken, full = self._consolidated
+        to, taken, state = self._consolidated
         if taken != self._steps_taken:
             raise RuntimeError(
                 f"ZeroAdagrad: the consolidated state is from before the last {self._steps_taken - taken} "
@@ -478,13 +488,16 @@ class ZeroAdagrad(Optimizer):
                 f"call state_dict() there"
             )
         # As torch.optim.Optimizer.state_dict: its hooks run, and every call returns a new dict (a post
-        # hook may change or replace it) holding the state's tensors.
+        # hook may change or replace it) holding the state's tensors and the groups as they are now (a
+        # scheduler may have stepped since the state was gathered), their values shared with the live ones.
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = {
-            "state": {i: dict(entry) for i, entry in full["state"].items()},
-            "param_groups": [dict(group) for group in full["param_groups"]],
-        }
+        groups = []
+        for g, group in enumerate(self.param_groups):
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(self._group_indices(g))
+            groups.append(packed)
+        state_dict = {"state": {i: dict(entry) for i, entry in state.items()}, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             replaced = post_hook(self, state_dict)
             if replaced is not None:
@@ -494,8 +507,10 @@ class ZeroAdagrad(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole state (ZeroAdagrad's consolidated one, or ``torch.optim.Adagrad``'s); every rank
         keeps its shard. Call it on every rank with the same state. Checks everything before changing
-        anything. Its hooks run as torch.optim.Optimizer's: the pre-hooks on a shallow copy of
-        ``state_dict`` (one may return another), the post-hooks once the state is loaded."""
+        anything. As torch's, it replaces the whole state (a parameter the dict has no state for starts
+        afresh) and takes copies of the groups' values. Its hooks run as torch.optim.Optimizer's: the
+        pre-hooks on a shallow copy of ``state_dict`` (one may return another), the post-hooks once the
+        state is loaded."""
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()
             for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -523,26 +538,39 @@ class ZeroAdagrad(Optimizer):
             ids.extend(saved["params"])
         saved_state = state_dict["state"]
         for i, (pid, p) in enumerate(zip(ids, self._params)):
-            entry = saved_state.get(pid, {})
-            total = entry.get("sum")
-            if total is not None and (not torch.is_tensor(total) or total.shape != p.shape):
+            entry = saved_state.get(pid)
+            if not entry:
+                continue
+            if "step" not in entry or "sum" not in entry:
+                # torch loads it and fails at the parameter's next step with a KeyError
+                raise KeyError(
+                    f"ZeroAdagrad.load_state_dict: expected 'step' and 'sum' in the state of parameter {i}, "
+                    f"got {list(entry)}"
+                )
+            total = entry["sum"]
+            if not torch.is_tensor(total) or total.shape != p.shape:
                 got = tuple(total.shape) if torch.is_tensor(total) else type(total).__name__
                 raise ValueError(
                     f"ZeroAdagrad.load_state_dict: expected state['sum'] of parameter {i} of shape "
                     f"{tuple(p.shape)}, got {got}"
                 )
+        # Copies, as torch's deepcopy: a tensor lr that a scheduler changes in place must not change the
+        # caller's dict (nor the caller's edits the groups).
+        values = [copy.deepcopy({k: v for k, v in saved.items() if k != "params"}) for saved in groups]
         with torch.no_grad():
-            for saved, group in zip(groups, self.param_groups):
-                for k, v in saved.items():
-                    if k != "params":
-                        group[k] = v
+            for loaded, group in zip(values, self.param_groups):
+                group.update(loaded)
             for i, (pid, p) in enumerate(zip(ids, self._params)):
-                entry = saved_state.get(pid, {})
+                # The whole state is replaced, as torch's: a parameter the dict has no state for starts
+                # afresh, as torch.optim.Adagrad starts it at its next step (from the constructor's value).
+                entry = saved_state.get(pid)
                 state = self.state[p]
-                if "step" in entry:
+                if entry:
                     state["step"].fill_(float(entry["step"]))
-                if entry.get("sum") is not None:
                     state["sum"].copy_(self._slice(i, entry["sum"].to(p.device, p.dtype)))
+                else:
+                    state["step"].zero_()
+                    state["sum"].fill_(self.defaults["initial_accumulator_value"])
         self._consolidated = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
