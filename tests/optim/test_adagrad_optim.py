@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import re
 from decimal import Decimal
 from fractions import Fraction
@@ -737,6 +738,96 @@ def test_grad_scaler_end_to_end_matches_torch_fused():
             scaler.update()
     assert scalers[0].get_scale() == scalers[1].get_scale() < 2.0**10
     torch.testing.assert_close(list(model_a.parameters()), list(model_b.parameters()))
+
+
+@pytest.mark.parametrize(
+    "dtype, contiguous, torch_kwargs",
+    [
+        pytest.param(torch.float32, False, {}, id="float32-strided-vs-default"),
+        pytest.param(torch.float64, False, {}, id="float64-strided-vs-default"),
+        pytest.param(torch.bfloat16, True, {}, id="bfloat16-vs-default"),
+        pytest.param(torch.float32, True, {"fused": True}, id="float32-vs-fused"),
+        pytest.param(torch.float64, True, {"fused": True}, id="float64-vs-fused"),
+    ],
+)  # fmt: skip
+def test_grad_scaler_with_a_scale_not_a_power_of_two_bit_for_bit(dtype, contiguous, torch_kwargs):
+    """Under GradScaler(init_scale=1000): where README promises torch's default's roundings, the gradients
+    are unscaled as GradScaler unscales them for it (times the float32 reciprocal); on the fused path,
+    as torch's fused kernel (divided by the scale)."""
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(24, 16, generator=gen, dtype=torch.float64).to(dtype)
+    xs = [torch.randn(24, 8, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4)]
+    xs[2][0, 0] = float("inf")  # a skipped step: the scale drops to 500
+    runs = []
+    for make in (lambda ps: Adagrad(ps, lr=0.1), lambda ps: torch.optim.Adagrad(ps, lr=0.1, **torch_kwargs)):
+        w = torch.nn.Parameter(init.clone() if contiguous else init.t().contiguous().t())
+        assert w.is_contiguous() == contiguous
+        opt = make([w])
+        scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=1000)
+        for x in xs:
+            opt.zero_grad()
+            scaler.scale((x.t() @ w).float().sin().sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+        runs.append((w.detach(), w.grad, opt.state[w]["sum"], scaler.get_scale()))
+    (w_a, g_a, s_a, scale_a), (w_b, g_b, s_b, scale_b) = runs
+    assert scale_a == scale_b == 500.0
+    assert torch.equal(g_a, g_b) and torch.equal(s_a, s_b) and torch.equal(w_a, w_b)
+
+
+def test_grad_scaler_with_a_scale_not_a_power_of_two_and_sparse_gradients_bit_for_bit():
+    """Sparse gradients take the per-tensor path: unscaled as GradScaler unscales them for torch's."""
+    torch.manual_seed(0)
+    emb_a = torch.nn.Embedding(6, 3, sparse=True)
+    emb_b = copy.deepcopy(emb_a)
+    w = torch.randn(3)
+    runs = []
+    for emb, opt in (
+        (emb_a, Adagrad(emb_a.parameters(), lr=0.1)),
+        (emb_b, torch.optim.Adagrad(emb_b.parameters(), lr=0.1)),
+    ):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=1000)
+        for step in range(4):
+            opt.zero_grad()
+            scaler.scale((emb(torch.tensor([1, 1, 2, step])) @ w).pow(2).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+        runs.append((emb.weight.detach(), opt.state[emb.weight]["sum"]))
+    (w_a, s_a), (w_b, s_b) = runs
+    assert torch.equal(s_a, s_b) and torch.equal(w_a, w_b)
+
+
+def test_deepcopy_pickle_and_torch_save_keep_tol():
+    """A copy of the optimizer keeps tol, its converged flag and its largest change (torch's
+    Optimizer.__getstate__ keeps only defaults, state and param_groups), and goes on as torch's copy."""
+    init = torch.randn(5, 3)
+    ours = Adagrad([torch.nn.Parameter(init.clone())], lr=0.1, tol=0.5)
+    theirs = torch.optim.Adagrad([torch.nn.Parameter(init.clone())], lr=0.1, fused=True)
+    grads = [torch.randn(5, 3) for _ in range(2)]
+    for opt in (ours, theirs):
+        opt.param_groups[0]["params"][0].grad = grads[0].clone()
+        opt.step()
+
+    def saved(opt):
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    for copy_of in (copy.deepcopy, lambda opt: pickle.loads(pickle.dumps(opt)), saved):
+        ours_copy, theirs_copy = copy_of(ours), copy_of(theirs)
+        assert ours_copy.tol == 0.5
+        assert torch.equal(ours_copy.converged, ours.converged)
+        assert torch.equal(ours_copy.max_change, ours.max_change)
+        p, q = ours_copy.param_groups[0]["params"][0], theirs_copy.param_groups[0]["params"][0]
+        before = q.detach().clone()
+        p.grad, q.grad = grads[1].clone(), grads[1].clone()
+        ours_copy.step()
+        theirs_copy.step()
+        change = (q.detach() - before).abs().max()
+        assert torch.equal(p, q)
+        assert ours_copy.max_change.item() == change.item()
+        assert bool(ours_copy.converged) == (change.item() <= 0.5)
 
 
 def test_differentiable_step_matches_torch():

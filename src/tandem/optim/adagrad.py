@@ -162,6 +162,13 @@ class Adagrad(Optimizer):
             state["sum"] = torch.full_like(p, init, memory_format=torch.preserve_format)
         return state
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's keeps defaults, state and param_groups only: a copy (copy.deepcopy, pickle, torch.save of
+        # the optimizer) would lose tol, and its converged would raise.
+        state = super().__getstate__()
+        state.update(tol=self.tol, _converged=self._converged, _max_change=self._max_change)
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Also the end of load_state_dict(): states saved by torch.optim.Adagrad (a CPU step, float64
         # under a float64 default dtype, or a Python number in old checkpoints) move to our convention.

@@ -8,7 +8,7 @@ from torch.nn import Parameter
 
 from tandem._device import to_device
 from tandem.ops.adagrad.op import adagrad_step_dispatch
-from tandem.ops.adagrad.reference import adagrad_tensor_ref
+from tandem.ops.adagrad.reference import adagrad_tensor_ref, unscale_like_grad_scaler_
 
 __all__ = ["adagrad", "adagrad_unchecked", "hyperparameters", "step_device"]
 
@@ -243,9 +243,8 @@ def _plain_step(
         return [torch.zeros((), device=params[0].device)] if track else []
     maxima = []
     for p, g, s, t in zip(params, grads, state_sums, state_steps):
-        if grad_scale is not None:
-            scale = grad_scale.to(g.device)
-            (g._values() if g.is_sparse else g).div_(scale)
+        if grad_scale is not None:  # as GradScaler unscales them for torch's per-tensor update
+            unscale_like_grad_scaler_([g._values() if g.is_sparse else g], grad_scale)
         t += 1
         m = adagrad_tensor_ref(p, g, s, t.item(), **hyper, differentiable=differentiable, track=track)
         if m is not None:

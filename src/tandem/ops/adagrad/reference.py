@@ -30,7 +30,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["adagrad_step_ref", "adagrad_group_ref", "adagrad_tensor_ref", "fused_adagrad_supported"]
+__all__ = [
+    "adagrad_step_ref",
+    "adagrad_group_ref",
+    "adagrad_tensor_ref",
+    "fused_adagrad_supported",
+    "unscale_like_grad_scaler_",
+]
 
 # Elements per slice when the largest change is tracked: a slice's parameters and their copy (2 x 2 MiB
 # in float32) stay in cache between the update and the reduction. Measured on a 2-core EPYC, 1 thread,
@@ -49,6 +55,22 @@ def fused_adagrad_supported(device: torch.device, dtype: torch.dtype) -> bool:
     walks ``p, g, sum`` as flat arrays by address: each tensor must be contiguous (checked per tensor).
     """
     return hasattr(torch, "_fused_adagrad_") and device.type == "cpu" and dtype in _FUSED_DTYPES
+
+
+def unscale_like_grad_scaler_(grads: list[Tensor], grad_scale: Tensor) -> None:
+    """Unscale ``grads`` (dense tensors, or sparse ones' values) in place as ``torch.amp.GradScaler.unscale_``
+    does before torch's per-tensor and foreach updates: times the scale's reciprocal, taken in float64 and
+    rounded to float32. (torch's fused kernels divide by the scale instead: where the scale is not a power
+    of two the two differ in the last bit.)
+
+    Example::
+
+        g = torch.ones(2)
+        unscale_like_grad_scaler_([g], torch.tensor(1000.0))  # g == 1 * float32(1 / 1000)
+    """
+    inv_scale = grad_scale.double().reciprocal().float()
+    for g in grads:
+        g.mul_(inv_scale.to(g.device))
 
 
 def _clr(lr: float, lr_decay: float, step: float) -> float:
@@ -175,9 +197,11 @@ def adagrad_step_ref(
 ) -> Tensor | None:
     """The CPU kernel: update dense tensors of one device and dtype; ``state_steps`` are already counted.
 
-    ``grad_scale``/``found_inf`` behave as in torch's fused optimizers (AMP): grads are divided by
-    ``grad_scale`` in place, and nothing is updated when ``found_inf`` is 1. Returns the largest absolute
-    change of any parameter (a 0-d float32 tensor; +inf if a change is NaN) when ``track``.
+    ``grad_scale``/``found_inf`` behave as in torch's fused optimizers (AMP): grads are unscaled in place
+    (divided by ``grad_scale`` in torch's fused kernel; on the plain path as GradScaler unscales them for
+    torch's default, see :func:`unscale_like_grad_scaler_`), and nothing is updated when ``found_inf`` is
+    1. Returns the largest absolute change of any parameter (a 0-d float32 tensor; +inf if a change is
+    NaN) when ``track``.
 
     Example::
 
@@ -215,9 +239,8 @@ def adagrad_step_ref(
         # torch's fused kernels test found_inf on the host (CPU) or per block (CUDA); this fallback reads it.
         skip = found_inf is not None and bool(found_inf.item() == 1.0)
         if not skip:
-            if grad_scale is not None:
-                for g in plain_lists[1]:
-                    g.div_(grad_scale)
+            if grad_scale is not None:  # the roundings of torch's default under GradScaler
+                unscale_like_grad_scaler_(plain_lists[1], grad_scale)
             m = adagrad_group_ref(*plain_lists, **hyper, track=track)
             if m is not None:
                 maxima.append(m)
