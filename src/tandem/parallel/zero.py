@@ -142,8 +142,8 @@ class ZeroAdagrad(Optimizer):
     Args:
         params: iterable of parameters or of dicts defining parameter groups; the same, in the same
             order, on every rank (checked: a ``ValueError`` on every rank otherwise). Parameters must
-            be dense, contiguous and of a real floating dtype; one made non-contiguous later
-            (``model.to(memory_format=torch.channels_last)``) steps through a contiguous copy.
+            be dense and of a real floating dtype; a non-contiguous one (``model.to(memory_format=
+            torch.channels_last)``, before or after the optimizer is made) steps through a contiguous copy.
         lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize: as
             ``torch.optim.Adagrad`` (defaults 1e-2, 0, 0, 0, 1e-10, False).
         foreach, fused: accepted (and kept in the parameter groups, so that a consolidated state dict
@@ -307,8 +307,8 @@ class ZeroAdagrad(Optimizer):
                 loss = closure()
         # Gather and check every group first: a bad gradient raises before anything has moved.
         self._check_same_gradients_present()
-        # A parameter made non-contiguous after construction (``model.to(memory_format=torch.channels_last)``
-        # gives it new data, as torch.optim.Adagrad allows): its shards, runs of its elements in logical
+        # A non-contiguous parameter (``model.to(memory_format=torch.channels_last)``, before or after the
+        # optimizer was made, as torch.optim.Adagrad allows): its shards, runs of its elements in logical
         # order, are no views of it. It steps and takes the others' shards in a contiguous copy, copied back.
         staged = {
             i: p.contiguous()
@@ -581,8 +581,6 @@ def _unsupported(p: Tensor) -> str | None:
         return f"a {p.layout} tensor; expected a dense one"
     if not p.dtype.is_floating_point:
         return f"of dtype {p.dtype}; expected a real floating dtype"
-    if not p.is_contiguous():
-        return "not contiguous; expected contiguous parameters (call .contiguous() before training)"
     return None
 
 
