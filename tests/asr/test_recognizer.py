@@ -154,9 +154,12 @@ def test_transcribe_batch_errors_name_the_waveform(checkpoint):
         rec.transcribe(np.zeros(0), 8000)
     with pytest.raises(ValueError, match="expected one sample_rate or 2 .one per waveform., got 3"):
         rec.transcribe_batch(audio, [8000, 8000, 8000])
-    for bad in (0, 2.5, True):
+    for bad in (0, 2.5, True, np.bool_(True), np.float64(2.0), np.int64(-1)):
         with pytest.raises(ValueError, match="expected a positive integer batch_size"):
             rec.transcribe_batch(audio, 8000, batch_size=bad)
+    # an integer of any type, as the sample rates (a numpy one was refused)
+    expected = rec.transcribe_batch(audio, 8000, batch_size=1)
+    assert rec.transcribe_batch(audio, 8000, batch_size=np.int64(1)) == expected
 
 
 @pytest.mark.parametrize("cell", ["gru", "lstm"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -211,7 +212,7 @@ class Recognizer:
         Raises:
             AudioError: an empty or silent recording, named ``waveforms[i]``.
         """
-        _check_batch_size(batch_size)
+        batch_size = _check_batch_size(batch_size)
         # one rate: a number of any kind (int, float, numpy or 0-d tensor); else one per waveform
         rates = [sample_rate] * len(waveforms) if np.ndim(sample_rate) == 0 else list(sample_rate)
         if len(rates) != len(waveforms):
@@ -232,7 +233,7 @@ class Recognizer:
     ) -> Iterator[FileTranscript]:
         """:meth:`transcribe_files` one result at a time, in order, as each group of ``batch_size``
         files is done (only that group's audio is in memory)."""
-        _check_batch_size(batch_size)
+        batch_size = _check_batch_size(batch_size)
         if isinstance(files, (str, bytes, bytearray, memoryview, os.PathLike)) or not hasattr(
             files, "__len__"
         ):
@@ -418,9 +419,15 @@ def _check_fit_edges(fit_edges: bool) -> bool:
     return bool(fit_edges)
 
 
-def _check_batch_size(batch_size: int) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+def _check_batch_size(batch_size: int) -> int:
+    """``batch_size`` as an int: any integer type (a numpy integer too), positive, not a bool."""
+    try:
+        size = operator.index(batch_size)
+    except TypeError:
+        size = None
+    if isinstance(batch_size, (bool, np.bool_)) or size is None or size < 1:
         raise ValueError(f"Recognizer: expected a positive integer batch_size, got {batch_size!r}")
+    return size
 
 
 # Weights a message names of each kind (missing, unexpected, of another shape) before "and N more"
