@@ -206,6 +206,57 @@ def _check_single_process(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def recognizer() -> torch.nn.Module:
+    """tandem train's model (tandem's parts: GRU on packed frames, sequence-wise SyncBatchNorm), small,
+    float64, without dropout (whose draws are per rank)."""
+    from tandem.asr.model import DeepSpeech2, ModelConfig
+
+    torch.manual_seed(11)
+    config = ModelConfig(
+        n_mels=8, n_classes=6, hidden=6, layers=2, conv_channels=3, conv_kernel=(3, 3), dropout=0.0
+    )
+    return DeepSpeech2(config).double()
+
+
+def recognizer_batch(step: int, world: int) -> tuple[torch.Tensor, ...]:
+    """A global batch of 2 utterances a rank, of 9 to 40 feature frames (zeros beyond, as collate's), and
+    CTC targets of 1 to 3 labels."""
+    g = torch.Generator().manual_seed(2000 + step)
+    n = 2 * world
+    frames = torch.randint(9, 41, (n,), generator=g)
+    features = torch.randn(n, 40, 8, generator=g, dtype=torch.float64)
+    features *= (torch.arange(40) < frames[:, None]).unsqueeze(-1)
+    target_lengths = torch.randint(1, 4, (n,), generator=g)
+    targets = [torch.randint(1, 6, (int(k),), generator=g) for k in target_lengths]
+    return features, frames, targets, target_lengths
+
+
+def train_recognizer(model: torch.nn.Module, wrapped: torch.nn.Module, world: int, rank: int | None) -> None:
+    """Three steps of tandem train's loss (the per-utterance CTC mean, summed, times the ranks over the
+    global batch's utterances: DDP's average is the global mean); a rank takes utterances rank, rank +
+    world, ... of each global batch, the reference (``rank`` None) all of them. SGD, not Adagrad: the
+    convolution biases before batch norm have gradients of rounding noise alone (batch norm removes
+    them), which Adagrad's normalisation would blow up to whole steps."""
+    ctc = torch.nn.CTCLoss(blank=0, reduction="none", zero_infinity=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        features, frames, targets, target_lengths = recognizer_batch(step, world)
+        pick = list(range(len(frames))) if rank is None else list(range(rank, len(frames), world))
+        share = world if rank is not None else 1
+        log_probs, out_frames = wrapped(features[pick], frames[pick])
+        lengths = target_lengths[pick]
+        losses = ctc(log_probs, torch.cat([targets[i] for i in pick]), out_frames, lengths) / lengths
+        opt.zero_grad()
+        (losses.sum() * share / len(frames)).backward()
+        opt.step()
+
+
+def _check_recognizer(rank: int, world: int) -> dict[str, Any]:
+    m = recognizer()
+    train_recognizer(m, TandemDDP(m, timeout=CHECK_TIMEOUT_S), world, rank)
+    return {"params": params(m)}
+
+
 def _check_vs_torch(rank: int, world: int) -> dict[str, Any]:
     out = {}
     # Ranks start from different weights and see different data: the broadcast and averaging must fix it.
@@ -655,6 +706,7 @@ class ScaleAndWeight(torch.nn.Module):
 
 MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "single_process": _check_single_process,
+    "recognizer": _check_recognizer,
     "vs_torch": _check_vs_torch,
     "no_sync": _check_no_sync,
     "unused": _check_unused,

@@ -96,6 +96,17 @@ def test_equals_single_process_on_concatenated_batch(main_results, variant):
         assert all(res["bucket_view_is_view"] for res in per_rank)
 
 
+def test_the_recognizer_trains_on_ranks_as_alone_on_the_whole_batch(main_results):
+    """tandem train's model and loss, tandem's parts on 3 ranks (DDP, SyncBatchNorm's statistics over
+    the real frames of every rank, GRU on packed frames): parameters and running statistics after 3
+    steps are those of the model trained alone on the concatenated batch."""
+    model = w.recognizer()
+    w.train_recognizer(model, model, WORLD, None)
+    want = w.params(model)
+    for res in check(main_results, "recognizer"):
+        assert_same_state(res["params"], want, **TIGHT)
+
+
 def test_equals_torch_ddp_with_buffers(main_results):
     for res in check(main_results, "vs_torch"):
         assert_same_state(res["tandem"], res["torch"], **TIGHT)
