@@ -953,6 +953,35 @@ def test_errors_torch_checks_before_the_channels_and_eps_in_eval(case):
         assert (ValueError, str(masked.value)) == theirs
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["", "masked"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_strided_input_changed_in_place_before_backward_raises_as_torchs(masked, training):
+    """Every other frame of a tensor (no dense layout: the masked path normalises a copy), changed in
+    place after the forward: autograd's in-place error, as torch's batch norm raises it (the masked path
+    ran on with the copy); unchanged, torch's gradient."""
+    outcomes = []
+    for module in (torch.nn.BatchNorm1d(3), tandem.nn.SyncBatchNorm(3)):
+        module.train(training)
+        for change in (False, True):
+            torch.manual_seed(0)
+            leaf = torch.randn(4, 3, 10, requires_grad=True)
+            h = leaf * 1
+            ours = isinstance(module, tandem.nn.SyncBatchNorm)
+            kwargs = {"mask": torch.ones(4, 5, dtype=torch.bool)} if masked and ours else {}
+            y = module(h[:, :, ::2], **kwargs)
+            if change:
+                h.mul_(2)
+            try:
+                y.square().sum().backward()
+                outcomes.append(leaf.grad)
+            except RuntimeError as e:
+                assert "modified by an inplace operation" in str(e)
+                outcomes.append("raised")
+    theirs, ours = outcomes[:2], outcomes[2:]
+    assert ours[1] == theirs[1] == "raised"
+    torch.testing.assert_close(ours[0], theirs[0])
+
+
 def test_training_without_num_batches_tracked_raises_torchs_assertion():
     mods = [tandem.nn.SyncBatchNorm(3), torch.nn.SyncBatchNorm(3)]
     for m in mods:

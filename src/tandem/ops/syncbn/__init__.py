@@ -8,6 +8,7 @@ them.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -114,10 +115,29 @@ def sync_batch_norm(
             input, mask, running_mean, running_var, weight, bias, training, momentum, eps
         )
     else:
+        dense = _dense(input)
         y = _SyncBatchNorm.apply(
-            _dense(input), weight, bias, mask, running_mean, running_var, training, momentum, eps, group
+            dense, weight, bias, mask, running_mean, running_var, training, momentum, eps, group
         )
+        if dense is not input and y.requires_grad and not torch.compiler.is_compiling():
+            # the op saved a copy: an in-place change of the input before backward raises autograd's error
+            # all the same, as torch's batch norm, which saves the input itself
+            try:
+                version = input._version
+            except RuntimeError:  # an inference tensor keeps none (torch refuses to save one anyway)
+                version = None
+            if version is not None:
+                y.register_hook(functools.partial(_input_unchanged, input, version))
     return _torch_layout(y)
+
+
+def _input_unchanged(input: Tensor, version: int, grad: Tensor) -> None:
+    if input._version != version:
+        raise RuntimeError(  # autograd's words
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: SyncBatchNorm's input [{input.type()} {list(input.shape)}] is at version "
+            f"{input._version}; expected version {version} instead (changed after the forward that used it)"
+        )
 
 
 def check_eps(eps: float, training: bool) -> None:
