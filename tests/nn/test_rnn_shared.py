@@ -585,6 +585,48 @@ def test_a_parameter_changed_between_forward_and_backward_raises_where_torchs_do
 
 
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+@pytest.mark.parametrize("which", ["x", "h0"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_an_input_changed_in_place_before_backward_raises_where_torchs_does(
+    torch_cls, tandem_cls, which, packed, frozen
+):
+    """The input or h_0 (requiring grad: input saliency, a learned initial state) changed in place after
+    the forward: torch's layers save them only for the weights' gradients, so with the weights frozen
+    their backward runs, as tandem's does (its ops saved them all the same, and raised); with trained
+    weights both raise autograd's error."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    ref, ours = torch_cls(3, 4, dtype=torch.float64), tandem_cls(3, 4, dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    outcomes = []
+    for module in (ref, ours):
+        module.requires_grad_(not frozen)
+        x_leaf = torch.randn(5, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        h_leaf = torch.randn(1, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x, h0 = x_leaf.requires_grad_() * 1, h_leaf.requires_grad_() * 1
+        hx = (h0, torch.zeros_like(h0)) if torch_cls is torch.nn.LSTM else h0
+        out, _ = module(pack_padded_sequence(x, [5, 3]) if packed else x, hx)
+        out = out.data if packed else out
+        with torch.no_grad():
+            (x if which == "x" else h0).add_(0.5)
+        try:
+            out.square().sum().backward()
+            outcomes.append((x_leaf.grad, h_leaf.grad))
+        except RuntimeError as e:
+            assert "inplace" in str(e)  # (torch's words differ where a view of h_0 was changed)
+            outcomes.append("raised")
+    if outcomes[0] == "raised":
+        assert outcomes[1] == "raised"
+    else:
+        assert outcomes[1] != "raised"
+        for expected, got in zip(*outcomes):
+            torch.testing.assert_close(got, expected)
+    if frozen:
+        assert outcomes[0] != "raised"
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
 def test_packed_stack_under_torch_compile_as_torchs(torch_cls, tandem_cls):
     """RNN -> batch norm on the packed frames (the PackedSequence rebuilt with _replace) -> RNN, compiled:
     with enforce_sorted=False the layers read the batch as a shape, so the graph has no break (a break

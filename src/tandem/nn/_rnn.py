@@ -177,6 +177,21 @@ class RNNLayers(torch.nn.RNNBase):
             frozen.append(check)
 
     @staticmethod
+    def _unsaved(
+        x: Tensor, h0: Tensor, w_ih: Tensor, w_hh: Tensor, *others: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """``x`` and ``h0`` as a layer's op takes them: a copy of one that only a frozen weight's gradient
+        would read (``x`` for the input weights', ``h0`` for the recurrent ones'). torch's layers save
+        them for those gradients alone (autograd's products), so their callers may change them in place
+        before backward where no weight needs a gradient (input saliency on a frozen model, a learned
+        initial state); tandem's ops save their inputs whatever reads them, and raised autograd's error."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return x, h0
+        if not any(t is not None and t.requires_grad for t in (x, h0, w_ih, w_hh, *others)):
+            return x, h0  # no backward will run
+        return (x if w_ih.requires_grad else x.clone()), (h0 if w_hh.requires_grad else h0.clone())
+
+    @staticmethod
     def _check_frozen_in_backward(
         outputs: tuple[Tensor, ...], frozen: list[Callable[[Tensor], None]]
     ) -> None:

@@ -122,8 +122,11 @@ class GRU(RNNLayers):
                 frozen=frozen,
             )
             formulas = needs_formulas(rows.mini_batch, layer_input, h0, *weights)
-            run_layer = gru_layer_autograd if formulas else gru_layer
-            layer_input, h_last = run_layer(layer_input, rows.batch_sizes, h0, *weights)
+            if formulas:  # (autograd-tracked ops: they save what torch's save)
+                layer_input, h_last = gru_layer_autograd(layer_input, rows.batch_sizes, h0, *weights)
+            else:
+                x, h0 = self._unsaved(layer_input, h0, *weights)
+                layer_input, h_last = gru_layer(x, rows.batch_sizes, h0, *weights)
             if frozen:
                 self._check_frozen_in_backward((layer_input, h_last), frozen)
             h_n.append(h_last)

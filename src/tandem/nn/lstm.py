@@ -232,11 +232,15 @@ class LSTM(RNNLayers):
                     input_requires_grad=layer_input.requires_grad,
                     frozen=frozen,
                 )
-                formulas = needs_formulas(rows.mini_batch, layer_input, hx[0][span], hx[1][span], *weights)
-                run_layer = lstm_layer_autograd if formulas else lstm_layer
-                layer_input, h_last, c_last = run_layer(
-                    layer_input, rows.batch_sizes, hx[0][span], hx[1][span], *weights
-                )
+                h0, c0 = hx[0][span], hx[1][span]
+                formulas = needs_formulas(rows.mini_batch, layer_input, h0, c0, *weights)
+                if formulas:  # (autograd-tracked ops: they save what torch's save)
+                    layer_input, h_last, c_last = lstm_layer_autograd(
+                        layer_input, rows.batch_sizes, h0, c0, *weights
+                    )
+                else:
+                    x, h0 = self._unsaved(layer_input, h0, weights[0], weights[1], c0, *weights[2:])
+                    layer_input, h_last, c_last = lstm_layer(x, rows.batch_sizes, h0, c0, *weights)
                 if frozen:
                     self._check_frozen_in_backward((layer_input, h_last, c_last), frozen)
             h_n.append(h_last)
