@@ -38,3 +38,17 @@ def test_both_stacks_train_an_epoch_in_one_group_and_the_summary_reads(monkeypat
     ]
     text = train.summary(rows)
     assert text.startswith("tiny: seconds per epoch (median of 1) tandem") and "test WER tandem" in text
+
+
+def test_the_summary_gives_true_medians(monkeypatch):
+    """Of an even count of epochs the mean of the middle two (it took the upper one: of two epochs the
+    larger, the speedup's maximum)."""
+    result = {"seconds": {"tandem": [1.0, 3.0], "torch": [2.0, 2.0]}, "rates": {}}
+    result["rates"] = {stack: (0, 600, 0, 3000, 0, 200) for stack in ("tandem", "torch")}
+    monkeypatch.setitem(train.RESULTS, "even", result)
+    rows = [
+        BenchRow("train", s, "train", "even", 1.0, 1.0, 1.0, "cpu", "x", "x") for s in ("torch", "tandem")
+    ]
+    text = train.summary(rows)
+    # ratios 2.0 and 0.667: median 1.33x; seconds medians 2.0 each
+    assert "tandem 2.0, torch 2.0; per-epoch speedup median 1.33x (min 0.67x, max 2.00x)" in text, text

@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import tempfile
 import threading
 import time
@@ -166,12 +167,13 @@ def summary(rows: list[Any]) -> str:
             continue
         sec = res["seconds"]
         ratios = sorted(a / b for a, b in zip(sec["torch"], sec["tandem"]))
-        mid = len(ratios) // 2
         ours, theirs = (ErrorRates(*res["rates"][stack]) for stack in ("tandem", "torch"))
+        median = statistics.median  # of an even count, the mean of the middle two
         lines.append(
-            f"{shape}: seconds per epoch (median of {len(ratios)}) tandem {sorted(sec['tandem'])[mid]:.1f}, "
-            f"torch {sorted(sec['torch'])[mid]:.1f}; per-epoch speedup median {ratios[mid]:.2f}x "
-            f"(min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x); after {len(ratios)} epochs test WER tandem "
+            f"{shape}: seconds per epoch (median of {len(ratios)}) tandem {median(sec['tandem']):.1f}, "
+            f"torch {median(sec['torch']):.1f}; per-epoch speedup median "
+            f"{median(ratios):.2f}x (min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x); after "
+            f"{len(ratios)} epochs test WER tandem "
             f"{100 * ours.wer:.2f}%, torch {100 * theirs.wer:.2f}% (CER {100 * ours.cer:.2f}% / "
             f"{100 * theirs.cer:.2f}%, {ours.words} words)"
         )
