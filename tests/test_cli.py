@@ -84,7 +84,7 @@ def test_bench_table_csv_and_plot(fake_op, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "command: tandem bench --op fake_cli" in out
     assert "speedup" in out and "1.00x" in out and "small" in out and "big" in out
-    assert "[4/4] fake_cli big" in err
+    assert "[2/2] fake_cli big train tandem" in err  # cases, not rows
     lines = csv_path.read_text().splitlines()
     assert lines[0] == ",".join(runner.CSV_COLUMNS) and len(lines) == 5
     if has_mpl:
@@ -135,6 +135,35 @@ def test_bad_arguments_exit_2_with_a_message(fake_op, argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("same-file", "--csv and --plot name the same file"),
+        ("list-with-outputs", "--list times nothing: --csv, --plot, --min-time would have no effect"),
+        ("nothing-to-time", "--op fake_cli: nothing to time on cpu (no shape of theirs runs there"),
+    ],
+)
+def test_bench_options_that_would_write_or_time_nothing_exit_2_and_write_nothing(
+    fake_op, tmp_path, capsys, case, message
+):
+    """--csv and --plot on one file (the chart replaced the rows), --list with options it ignores (in
+    silence), an op without a shape for the device (exit 0 and a CSV of its header alone)."""
+    out = tmp_path / "x.png"
+    argv = {
+        "same-file": ["bench", "--op", fake_op, "--csv", str(out), "--plot", str(out)],
+        "list-with-outputs": ["bench", "--list", "--csv", str(out), "--plot", str(out), "--min-time", "5"],
+        "nothing-to-time": ["bench", "--op", fake_op, "--device", "cpu", "--csv", str(tmp_path / "b.csv")],
+    }[case]
+    if case == "nothing-to-time":
+        for shape in REGISTRY[fake_op].shapes:
+            object.__setattr__(shape, "devices", ("cuda",))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bench_checks_outputs_before_timing(fake_op, tmp_path, capsys):

@@ -74,14 +74,18 @@ def test_rows_quantiles_and_speedup(fake_mm):
         assert base.speedup == 1.0
         assert other.speedup == pytest.approx(base.p50_ms / other.p50_ms)
     lines = progress.getvalue().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("[1/4] fake_mm n64 fwd torch: ")
+    assert len(lines) == 4 and lines[0].startswith("[1/2] fake_mm n64 fwd torch: ")
+    assert lines[3].startswith("[2/2] fake_mm n96 fwd tandem: ")
 
 
 def test_a_provider_that_does_not_apply_gets_no_row(fake_mm):
-    """A factory returning None (a variant for another device) is left out of that case's rows."""
+    """A factory returning None (a variant for another device) is left out of that case's rows, and out
+    of the progress's count (which counted it, and stopped short of its total)."""
     fake_mm.providers["gpu-variant"] = lambda params, device, mode: None if device.type == "cpu" else 1
-    rows = runner.run_benchmarks(["fake_mm"], quick=True, **FAST)
+    progress = io.StringIO()
+    rows = runner.run_benchmarks(["fake_mm"], quick=True, **{**FAST, "progress": progress})
     assert [(r.shape, r.provider) for r in rows] == [("n64", "torch"), ("n64", "tandem")]
+    assert [line[:6] for line in progress.getvalue().splitlines()] == ["[1/1] ", "[1/1] "]
 
 
 def test_quick_keeps_only_quick_shapes(fake_mm):
@@ -175,6 +179,18 @@ def test_csv_header_columns_and_append(tmp_path):
     records = list(csv.DictReader(path.open(newline="")))
     assert records[1]["provider"] == "tandem" and float(records[1]["p50_ms"]) == 1.0
     assert records[1]["device"] == "cpu (1 thread, x)"  # the comma inside is quoted
+
+
+def test_csv_appends_after_a_last_line_without_its_newline(tmp_path):
+    """A file whose last line has no line ending (written by hand, an editor): the first row went onto
+    that line, and the next run refused the file."""
+    path = tmp_path / "bench.csv"
+    runner.write_csv(_rows(), path)
+    path.write_bytes(path.read_bytes().rstrip(b"\r\n"))
+    runner.write_csv(_rows(), path)
+    records = list(csv.DictReader(path.open(newline="")))
+    assert len(records) == 4 and [r["provider"] for r in records] == ["torch", "tandem"] * 2
+    runner.check_csv(path)
 
 
 def test_csv_refuses_a_file_with_other_columns(tmp_path):

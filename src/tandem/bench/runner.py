@@ -386,10 +386,10 @@ def run_benchmarks(
 
     description = device_description(dev, threads)
     env = {"device": description, "torch_version": torch.__version__, "commit": git_commit()}
-    total = sum(len(bench.providers) for bench, _, _ in plan)
     rows: list[BenchRow] = []
     with _torch_threads(threads):
-        for bench, shape, mode in plan:
+        # progress counts cases (a provider may not apply to one: the rows are known once it is timed)
+        for case, (bench, shape, mode) in enumerate(plan, 1):
             result = _measure_case(bench, shape, mode, dev, threads, timing)
             base_p50 = result[bench.baseline][1]
             for provider, (p20, p50, p80) in result.items():
@@ -398,7 +398,7 @@ def run_benchmarks(
                 rows.append(row)
                 if log is not None:
                     print(
-                        f"[{len(rows)}/{total}] {bench.op} {shape.id} {mode} {provider}: {p50:.3f} ms "
+                        f"[{case}/{len(plan)}] {bench.op} {shape.id} {mode} {provider}: {p50:.3f} ms "
                         f"(p20-p80 {p20:.3f}-{p80:.3f}), {row.speedup:.2f}x",
                         file=log,
                         flush=True,
@@ -482,10 +482,13 @@ def write_csv(rows: Sequence[BenchRow], path: str | os.PathLike[str]) -> None:
     check_csv(path)
     p = Path(path)
     new = not p.exists() or p.stat().st_size == 0
+    ends_open = not new and not p.read_bytes().endswith((b"\n", b"\r"))  # (an editor's last line)
     with p.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         if new:
             writer.writeheader()
+        elif ends_open:
+            f.write("\r\n")  # the csv module's line ending: the first row must not join the last line
         for row in rows:
             writer.writerow(row.csv_record())
 

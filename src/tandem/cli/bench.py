@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import sys
 
@@ -50,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-time",
         type=positive_float,
         metavar="S",
-        help="seconds of measurement per provider and case (default: 1.0, or 0.3 with --quick)",
+        help="seconds of measurement per provider and case (default: 1.0, or 0.3 with --quick); the ops "
+        "that time themselves (train, syncbn, ddp) run their shapes' fixed steps whatever it says",
     )
     parser.add_argument(
         "--csv", type=nonempty_path, metavar="FILE", help="append the rows to this CSV file (header if new)"
@@ -83,9 +85,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``tandem bench`` with parsed ``args``; usage problems go to ``parser.error`` (exit 2)."""
     try:
         if args.list:
-            print(_list(args.ops))
+            ignored = [f"--{k.replace('_', '-')}" for k in ("csv", "plot", "min_time") if getattr(args, k)]
+            if ignored:
+                parser.error(f"--list times nothing: {', '.join(ignored)} would have no effect")
+            try:
+                print(_list(args.ops), flush=True)
+            except BrokenPipeError:  # `tandem bench --list | head`: the reader left
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         # Output files are checked before the (minute-long) timing, not after it.
+        if args.csv and args.plot and os.path.realpath(args.csv) == os.path.realpath(args.plot):
+            parser.error(
+                f"--csv and --plot name the same file ({args.plot}): the chart would replace the rows"
+            )
         if args.csv:
             runner.check_csv(args.csv)
         if args.plot:
@@ -112,8 +124,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if summarize is not None:
                 print()
                 print(summarize([r for r in rows if r.op == op]))
-    else:
-        print("tandem bench: nothing to time (no shape for this device / --quick)", file=sys.stderr)
+    else:  # before a file is written
+        ops = ", ".join(args.ops) if args.ops else "every op"
+        parser.error(
+            f"--op {ops}: nothing to time on {args.device or 'this device'}"
+            f"{' with --quick' if args.quick else ''} (no shape of theirs runs there; --list shows them)"
+        )
     if args.csv:
         runner.write_csv(rows, args.csv)
         print(f"wrote {len(rows)} rows to {args.csv}", file=sys.stderr)
