@@ -284,7 +284,11 @@ class Recognizer:
 
     def to_torch(self) -> DeepSpeech2:
         """The same network built from torch's modules (torch.nn.GRU/LSTM, BatchNorm1d) with these
-        weights, in eval mode on the same device: for export or deployment without tandem's kernels.
+        weights, in eval mode on the same device: to run it without tandem's recurrent kernels, or to
+        compare with them. It is still tandem's ``DeepSpeech2`` (tandem must be importable to load a
+        pickled one), run eagerly: its first convolution is a function of tandem's on the CPU, which
+        TorchScript cannot compile or save, and its packing of the real frames depends on the data,
+        which torch.export does not take.
 
         Example::
 
