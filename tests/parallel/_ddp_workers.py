@@ -257,6 +257,71 @@ def _check_recognizer(rank: int, world: int) -> dict[str, Any]:
     return {"params": params(m)}
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises when ``armed``."""
+
+    @staticmethod
+    def forward(ctx, x, armed):
+        ctx.armed = armed
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.armed:
+            raise ValueError("raised in backward")
+        return g, None
+
+
+class RaisingNet(torch.nn.Module):
+    """Four layers and a head; when ``armed``, the backward raises at the output (``where`` "top": before
+    any parameter's gradient) or after two layers' gradients (``"mid"``: buckets already sent)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(12)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(5, 5).double() for _ in range(4)])
+        self.head = torch.nn.Linear(5, 2).double()
+        self.where, self.armed = where, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if self.where == "mid" and i == 1:
+                x = _RaiseInBackward.apply(x, self.armed)
+        out = self.head(x)
+        return _RaiseInBackward.apply(out, self.armed) if self.where == "top" else out
+
+
+def _check_failed_backward(rank: int, world: int) -> dict[str, Any]:
+    """A backward that raises on every rank at step 1, then steps 2 and 3: per step, what it raised (its
+    type) or whether every .grad is the average of the ranks' own (all_reduce of a copy's gradients)."""
+    out = {}
+    for where in ("top", "mid"):
+        for side, cls in (("torch", TorchDDP), ("tandem", TandemDDP)):
+            model, alone = RaisingNet(where), RaisingNet(where)
+            wrapper = cls(model, bucket_cap_mb=ONE_BYTE_MB)
+            steps = []
+            for step in range(4):
+                x = torch.randn(
+                    3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step + rank)
+                )
+                model.armed = step == 1
+                model.zero_grad()
+                try:
+                    wrapper(x).square().mean().backward()
+                except Exception as e:
+                    steps.append(type(e).__name__)
+                    continue
+                alone.zero_grad()
+                alone(x).square().mean().backward()
+                expected = [p.grad / world for p in alone.parameters()]
+                for g in expected:
+                    dist.all_reduce(g)
+                steps.append(all(torch.allclose(p.grad, g) for p, g in zip(model.parameters(), expected)))
+            out[where, side] = steps
+    return out
+
+
 def _check_vs_torch(rank: int, world: int) -> dict[str, Any]:
     out = {}
     # Ranks start from different weights and see different data: the broadcast and averaging must fix it.
@@ -707,6 +772,7 @@ class ScaleAndWeight(torch.nn.Module):
 MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "single_process": _check_single_process,
     "recognizer": _check_recognizer,
+    "failed_backward": _check_failed_backward,
     "vs_torch": _check_vs_torch,
     "no_sync": _check_no_sync,
     "unused": _check_unused,

@@ -107,6 +107,22 @@ def test_the_recognizer_trains_on_ranks_as_alone_on_the_whole_batch(main_results
         assert_same_state(res["params"], want, **TIGHT)
 
 
+@pytest.mark.parametrize("where", ["top", "mid"])
+def test_after_a_backward_that_raised_as_torchs(main_results, where):
+    """A backward raising on every rank: before any gradient ("top") the next steps are exact, as
+    torch's; after buckets were sent ("mid") every later forward raises, as torch's (tandem's steps went
+    on with wrong gradients, or raised a misleading error once and then went on)."""
+    for res in check(main_results, "failed_backward"):
+        ours, theirs = res[where, "tandem"], res[where, "torch"]
+        assert ours == theirs, (ours, theirs)
+        expected = (
+            [True, "ValueError", True, True]
+            if where == "top"
+            else [True, "ValueError"] + ["RuntimeError"] * 2
+        )
+        assert ours == expected
+
+
 def test_equals_torch_ddp_with_buffers(main_results):
     for res in check(main_results, "vs_torch"):
         assert_same_state(res["tandem"], res["torch"], **TIGHT)

@@ -490,6 +490,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._in_backward = False
         self._sync_buffers_next = True
         self._failure: Exception | None = None
+        # why a backward that ended before its reduction leaves this wrapper unusable (see _settle)
+        self._unfinished: str | None = None
         self._last_stats: DDPStats | None = None
         self._unreachable: list[int] = []
         self._leaf_output_hooks: list[Any] = []
@@ -659,8 +661,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 "DistributedDataParallel: an earlier collective failed, so the process group can no longer "
                 f"be trusted: {self._failure}"
             ) from self._failure
+        if self._in_backward:  # the last synchronised backward raised before its end: its reduction too
+            self._settle_unfinished()
         joining = self._join_config.enable
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if sync and self._unfinished is not None:  # (as torch's, a forward that will not sync goes on)
+            raise RuntimeError(self._unfinished)
         self.require_forward_param_sync = sync  # torch's attribute: whether this forward's step syncs
         if joining:
             self._count_nonjoined(Join.notify_join_context(self))
@@ -962,8 +968,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             if expected is None or self._fire_counts[i] < expected[i]:
                 return
             if self._fire_counts[i] > expected[i]:
-                self._expect_hooks = self._in_backward = False
-                self._reset_iteration()
+                self._settle_unfinished()
                 raise RuntimeError(
                     f"DistributedDataParallel: static_graph=True, but parameter {self._names[i]!r} got its "
                     f"gradient more often in this backward than the {expected[i]} time(s) of the first: the "
@@ -975,9 +980,16 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         """Parameter ``i``'s gradient is final for this backward: into its bucket, and launch what is full."""
         bucket, pos = self._slot[i]
         if self._ready[i]:
-            if bucket.index < self._next_bucket or self._fired[i]:  # submitted for launch already
-                self._expect_hooks = self._in_backward = False
-                self._reset_iteration()
+            if self._fired[i]:  # a second gradient in this backward
+                self._settle_unfinished()
+                raise RuntimeError(
+                    f"DistributedDataParallel: parameter {self._names[i]!r} got a second gradient in this "
+                    "backward after its first was taken for reduction (it is used in a reentrant checkpoint "
+                    "and outside it, or in two): pass static_graph=True, which waits for every "
+                    "accumulation, or use a non-reentrant checkpoint (use_reentrant=False)."
+                )
+            if bucket.index < self._next_bucket:  # counted unused, and its bucket submitted for launch
+                self._settle_unfinished()
                 raise RuntimeError(
                     f"DistributedDataParallel: parameter {self._names[i]!r} got its gradient after its "
                     "bucket was sent. It is used by the loss without being reachable from the module's "
@@ -1103,6 +1115,29 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             bucket.sent_bytes = bucket.nbytes if sent is None else sent
         bucket.future = fut
         fut.add_done_callback(functools.partial(_bucket_done, None if zeros else weakref.ref(self), bucket))
+
+    def _settle_unfinished(self) -> None:
+        """A synchronised backward that stops before its end (an exception in a hook, a custom function or
+        our own checks; found at the next forward, or where this wrapper raises) never runs the callback
+        that waits for its buckets: the communication thread's copies of it finish first, so that none
+        lands in the next step. If no bucket was sent, the next step starts afresh (as torch's reducer,
+        which has nothing to finish then). If some were, their collectives are in flight on this rank and
+        may pair with another step's on others: as torch's DDP, every later forward raises (a
+        wrapper whose collectives no longer pair would mix steps' gradients, or abort the process)."""
+        sent = self._next_bucket
+        self._expect_hooks = self._in_backward = False
+        if self._comm_thread is not None:
+            self._comm_thread.drain(self.timeout)
+        if sent:
+            self._copy_when_done = False  # a late all-reduce writes into no .grad
+            self._unfinished = (
+                "DistributedDataParallel: expected to have finished reduction in the prior iteration "
+                f"before starting a new one: its backward raised after {sent} of {len(self._buckets)} "
+                "gradient bucket(s) were sent, whose collectives may no longer pair with the other ranks'. "
+                "This wrapper cannot synchronise again (nor can torch's): fix what raised, and start again "
+                "from a checkpoint with a new process group."
+            )
+        self._reset_iteration()
 
     def _may_get_more_gradients(self) -> bool:
         """Whether a gradient of this backward may still come: a parameter not ready yet, or static_graph's
@@ -1404,6 +1439,12 @@ class _CommThread:
 
     def submit(self, task: Callable[[], None]) -> None:
         self._tasks.put(task)
+
+    def drain(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds) until the tasks submitted so far have run."""
+        done = threading.Event()
+        self._tasks.put(done.set)
+        done.wait(timeout)
 
     @staticmethod
     def _run(tasks: queue.SimpleQueue, errors: list[Exception]) -> None:
