@@ -294,6 +294,22 @@ def test_the_silence_rule_is_one_16_bit_step(tmp_path):
         read_audio(io.BytesIO(b""), name="<stdin>")
 
 
+def test_an_8_bit_files_silence_is_one_step_of_its_own(tmp_path):
+    """8-bit samples within one step (2^-7) of zero are its last bit's dither, silence as 16-bit's one step
+    is (they were transcribed as noise blown up to full scale); two steps are a recording."""
+    rng = np.random.default_rng(0)
+    dither, quiet = tmp_path / "dither.wav", tmp_path / "quiet.wav"
+    sf.write(dither, rng.integers(-1, 2, 8000) / 128, 8000, subtype="PCM_U8")
+    sf.write(quiet, rng.integers(-2, 3, 8000) / 128, 8000, subtype="PCM_U8")
+    with pytest.raises(
+        AudioError, match=r"silent recording \(peak amplitude 0.0078.*one step of 8-bit audio"
+    ):
+        read_audio(dither)
+    waveform, _ = read_audio(dither, silent_ok=True)
+    assert float(waveform.abs().max()) == 2.0**-7
+    assert float(read_audio(quiet)[0].abs().max()) == 2 * 2.0**-7
+
+
 def _tones(rate: int, samples: int, freqs: tuple[float, ...]) -> np.ndarray:
     t = np.arange(samples) / rate
     return sum(np.sin(2 * np.pi * f * t + k) for k, f in enumerate(freqs)) / len(freqs)

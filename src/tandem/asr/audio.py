@@ -111,8 +111,8 @@ def read_audio(
 
     Raises:
         AudioError: no such file, not a recording libsndfile reads, no samples (empty), non-finite
-            samples, or silent (every sample at most :data:`SILENCE_PEAK` in magnitude; unless
-            ``silent_ok``).
+            samples, or silent (every sample at most :data:`SILENCE_PEAK` in magnitude, or one step of
+            an 8-bit file's; unless ``silent_ok``).
 
     Example::
 
@@ -136,13 +136,13 @@ def read_audio(
             # named pipe (<(cmd), /dev/stdin) is read to its end, as it cannot seek
             with open(path, "rb") as f:
                 whole = f if path.is_file() else _whole(f, label)
-                samples, rate = _decode(_readable(whole, label), label, start, frames)
+                samples, rate, silence = _decode(_readable(whole, label), label, start, frames)
         else:
-            samples, rate = _decode(_readable(_whole(source, label), label), label, start, frames)
+            samples, rate, silence = _decode(_readable(_whole(source, label), label), label, start, frames)
     except OSError as e:
         raise AudioError(f"{label}: cannot read ({e.strerror or e})") from None
     waveform = torch.from_numpy(np.ascontiguousarray(samples.T))  # [channels, samples]
-    _check_samples(waveform, label, silent_ok=silent_ok)
+    _check_samples(waveform, label, silent_ok=silent_ok, silence=silence)
     return waveform, int(rate)
 
 
@@ -321,24 +321,41 @@ def _unknown_size_read_whole(f: BinaryIO, found: tuple[bytes, int | None, int, i
     return io.BytesIO(bytes(data))
 
 
-def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[np.ndarray, int]:
-    """``[samples, channels]`` float32 (``frames`` of them from ``start``, or to the end) and the rate, by
-    libsndfile; :class:`AudioError` if it cannot."""
+def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[np.ndarray, int, float]:
+    """``[samples, channels]`` float32 (``frames`` of them from ``start``, or to the end), the rate, and the
+    peak at or under which the file is silent (:func:`_silence_peak`), by libsndfile; :class:`AudioError`
+    if it cannot."""
     import soundfile  # a runtime dependency, imported here so training never loads libsndfile
 
     try:
-        return soundfile.read(f, frames=frames, start=start, dtype="float32", always_2d=True)
+        with soundfile.SoundFile(f) as sound:
+            silence = _silence_peak(sound.subtype)
+            if start:
+                sound.seek(start)
+            samples = sound.read(frames, dtype="float32", always_2d=True)
+            return samples, sound.samplerate, silence
     except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
         reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
 
 
+def _silence_peak(subtype: str) -> float:
+    """One step of an 8-bit file's samples (2^-7: its last bit's dither is silence as 16-bit's is), else
+    :data:`SILENCE_PEAK`."""
+    return 2.0**-7 if subtype in ("PCM_U8", "PCM_S8") else SILENCE_PEAK
+
+
 def _check_samples(
-    waveform: Tensor, label: str, channels: Tensor | None = None, silent_ok: bool = False
+    waveform: Tensor,
+    label: str,
+    channels: Tensor | None = None,
+    silent_ok: bool = False,
+    silence: float = SILENCE_PEAK,
 ) -> float:
     """``waveform``'s peak magnitude, or :class:`AudioError` if it is empty, not finite or (unless
-    ``silent_ok``) silent; ``channels`` (``[C, samples]``), where ``waveform`` is their mix, names loud
-    channels that cancel (the mix 40 dB or more below the loudest channel, :data:`CANCELLED`)."""
+    ``silent_ok``) silent (its peak at most ``silence``); ``channels`` (``[C, samples]``), where
+    ``waveform`` is their mix, names loud channels that cancel (the mix 40 dB or more below the loudest
+    channel, :data:`CANCELLED`)."""
     if waveform.shape[-1] == 0:
         raise AudioError(f"{label}: empty recording (0 samples)")
     peak = float(waveform.abs().max())
@@ -353,15 +370,16 @@ def _check_samples(
     loudest = float(channels.abs().max()) if channels is not None and channels.shape[0] > 1 else 0.0
     # channels that (nearly) cancel: the mix is what is left of one voice in opposite phase (a mis-wired
     # microphone), not the recording (a silent channel leaves half the other, -6 dB)
-    if peak <= SILENCE_PEAK or peak < loudest * CANCELLED:
-        if loudest > SILENCE_PEAK:  # (a NaN does not compare: the mix would have held it)
+    if peak <= silence or peak < loudest * CANCELLED:
+        if loudest > silence:  # (a NaN does not compare: the mix would have held it)
             raise AudioError(
                 f"{label}: its {channels.shape[0]} channels cancel out when mixed to mono (the loudest "
                 f"channel's peak is {loudest:.3g}, the mix's {peak:.3g}); pass one channel"
             )
+        bits = 16 if silence == SILENCE_PEAK else 8
         raise AudioError(
-            f"{label}: silent recording (peak amplitude {peak:.3g}, not above {SILENCE_PEAK:.3g}, one step "
-            "of 16-bit audio); nothing to transcribe"
+            f"{label}: silent recording (peak amplitude {peak:.3g}, not above {silence:.3g}, one step "
+            f"of {bits}-bit audio); nothing to transcribe"
         )
     return peak
 
