@@ -187,20 +187,17 @@ class LSTM(RNNLayers):
             raise TypeError(_HX_TENSOR)
         if len(hx) != 2:
             raise RuntimeError("lstm expects two hidden states")
+        torch_onednn = torch_runs_onednn(rows.data, rows.packed, self.proj_size)
         hx = (
             self._autocast_state(hx[0], dtype),
-            _promoted_cx(rows.data, self._autocast_state(hx[1], dtype), rows.packed, self.proj_size),
+            _promoted_cx(rows.data, self._autocast_state(hx[1], dtype), torch_onednn),
         )
         # oneDNN's bfloat16 cell keeps a float32 cell state as it is (c_n float32 too): torch takes one
-        float_cx = (
-            rows.data.dtype == torch.bfloat16
-            and hx[1].dtype == torch.float32
-            and torch_runs_onednn(rows.data, rows.packed, self.proj_size)
-        )
+        float_cx = rows.data.dtype == torch.bfloat16 and hx[1].dtype == torch.float32 and torch_onednn
         self._check_devices_and_dtypes(
             rows.data, {"hx": hx[0], "cx": hx[1]}, weights_now["weight_ih_l0"], exempt=("cx",) * float_cx
         )
-        if dtype is None and not torch_runs_onednn(rows.data, rows.packed, self.proj_size):
+        if dtype is None and not torch_onednn:
             # (autocast casts the weights; oneDNN's op, which runs there, checks them as torch's does)
             self._check_weight_dtypes(weights_now, rows.data)
         self._to_rows(rows)
@@ -210,9 +207,7 @@ class LSTM(RNNLayers):
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
         # where torch.nn.LSTM runs oneDNN's fused cell (dense float32 or bfloat16 CPU input, no projection),
         # so does this module; tandem's own kernel everywhere else (see tandem.ops.lstm.onednn)
-        onednn = (
-            dtype is None and rows.mini_batch > 0 and onednn_applies(rows.data, rows.packed, self.proj_size)
-        )
+        onednn = dtype is None and rows.mini_batch > 0 and onednn_applies(torch_onednn)
         if float_cx and not onednn:  # torch.compile traces tandem's own kernel: one dtype throughout
             hx = (hx[0], hx[1].to(rows.data.dtype))
         for layer in range(self.num_layers):
@@ -257,8 +252,9 @@ class LSTM(RNNLayers):
         return self._give_output(rows, layer_input), hidden
 
 
-def _promoted_cx(data: Tensor, cx: Tensor, packed: bool, proj_size: int) -> Tensor:
-    """``cx`` in the input's dtype where torch.nn.LSTM's own CPU cell takes it in another.
+def _promoted_cx(data: Tensor, cx: Tensor, torch_onednn: bool) -> Tensor:
+    """``cx`` in the input's dtype where torch.nn.LSTM's own CPU cell takes it in another
+    (``torch_onednn``: whether torch runs oneDNN's cell instead, :func:`torch_runs_onednn`).
 
     Where torch runs its native cell on the CPU (float64 input; float32 input that is packed, or with a
     projection, or with oneDNN off), the first step multiplies ``cx`` by the forget gate: a ``cx`` of a
@@ -271,7 +267,7 @@ def _promoted_cx(data: Tensor, cx: Tensor, packed: bool, proj_size: int) -> Tens
     if (
         data.device.type == "cpu"
         and data.dtype in (torch.float32, torch.float64)
-        and not torch_runs_onednn(data, packed, proj_size)
+        and not torch_onednn
         and cx.dtype != data.dtype
         and cx.is_floating_point()
         and torch.promote_types(cx.dtype, data.dtype) == data.dtype

@@ -22,21 +22,21 @@ __all__ = ["onednn_applies", "lstm_layer_onednn", "torch_runs_onednn"]
 _MODE_LSTM = 2  # cuDNN's RNN mode numbering, which the aten RNN ops share
 
 
-def onednn_applies(x: Tensor, packed: bool, proj_size: int) -> bool:
-    """Whether torch.nn.LSTM would run oneDNN for this layer input: ``x`` ``[T*B, I]`` rows of a padded
-    batch (``packed`` False: torch runs its native loop on PackedSequences) on the CPU, float32, no
-    projection, oneDNN available and enabled (``torch.backends.mkldnn``), this torch having the per-layer
-    op, and eager mode."""
+def onednn_applies(torch_runs: bool) -> bool:
+    """Whether tandem.nn.LSTM runs oneDNN's cell for an input torch.nn.LSTM would run it for
+    (``torch_runs``: :func:`torch_runs_onednn`): in eager mode, with this torch having the per-layer op."""
     return (
-        torch_runs_onednn(x, packed, proj_size)
+        torch_runs
         and not torch.compiler.is_compiling()  # torch.compile traces tandem's own op (a single node)
         and hasattr(torch.ops.aten, "mkldnn_rnn_layer")
     )
 
 
 def torch_runs_onednn(x: Tensor, packed: bool, proj_size: int) -> bool:
-    """Whether torch.nn.LSTM itself runs oneDNN's cell for this input (see :func:`onednn_applies`), not its
-    native one: what decides, too, which ``c_0`` dtypes it takes (tandem.nn.lstm). torch's rule
+    """Whether torch.nn.LSTM itself runs oneDNN's cell for this input, not its native one: ``x`` the rows
+    of a padded batch (``packed`` False: torch runs its native loop on PackedSequences) on the CPU, no
+    projection, oneDNN available and enabled (``torch.backends.mkldnn``). What decides, too, which ``c_0``
+    dtypes it takes and who checks the weights' dtypes (tandem.nn.lstm). torch's rule
     (``use_mkldnn`` in ATen's RNN.cpp): float32, or bfloat16 where the CPU computes it natively; float16
     only without grad mode on CPUs with float16 arithmetic, which this rule leaves to tandem's kernel."""
     return (
