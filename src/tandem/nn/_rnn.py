@@ -13,26 +13,13 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from tandem._backend import use_triton
-from tandem.ops._recompute import needs_autograd_ops, transformed
+from tandem.ops._recompute import needs_autograd_ops, transformed, versions_unchanged
 
 __all__ = ["Rows", "RNNLayers", "needs_formulas"]
 
 
 # What torch's autocast wrapper of cuDNN's RNNs casts to float16 (its cached_cast: floating, not float64).
 _AUTOCAST_CAST = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _versions_unchanged(
-    mode: str, originals: list[Tensor], names: list[str], versions: list[int], grad: Tensor
-) -> None:
-    for t, name, then in zip(originals, names, versions):
-        if t._version != then:
-            raise RuntimeError(  # autograd's words, and the parameter's name
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: {mode}'s {name} [{t.type()} {list(t.shape)}] is at version {t._version}; "
-                f"expected version {then} instead (changed after the forward that used it: an "
-                "optimizer.step() before backward?)"
-            )
 
 
 def needs_formulas(batch: int, *tensors: Tensor | None) -> bool:
@@ -170,7 +157,9 @@ class RNNLayers(torch.nn.RNNBase):
             versions = [t._version for t in originals]
         except RuntimeError:  # inference tensors keep no version
             return
-        check = functools.partial(_versions_unchanged, self.mode, originals, names, versions)
+        named = [f"{self.mode}'s {name}" for name in names]
+        hint = ": an optimizer.step() before backward?"
+        check = functools.partial(versions_unchanged, originals, named, versions, hint)
         if copy.requires_grad:
             copy.register_hook(check)
         else:

@@ -78,6 +78,21 @@ def needs_autograd_ops(*tensors: Tensor | None) -> bool:
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def versions_unchanged(
+    tensors: Sequence[Tensor], names: Sequence[str], versions: Sequence[int], hint: str, grad: Tensor
+) -> None:
+    """A tensor hook for an op that saved copies of ``tensors``: autograd's in-place error, naming the
+    tensor (``names``, "GRU's weight_hh_l0"), if one has changed since its ``versions`` were taken, where
+    autograd would raise it had the op saved the tensors themselves; ``hint`` ends the message."""
+    for t, name, then in zip(tensors, names, versions):
+        if t._version != then:
+            raise RuntimeError(  # autograd's words
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: {name} [{t.type()} {list(t.shape)}] is at version {t._version}; expected "
+                f"version {then} instead (changed after the forward that used it{hint})"
+            )
+
+
 def wants_graph(*tensors: Tensor | None) -> bool:
     """Whether the running backward builds a graph for a further derivative: ``create_graph=True`` (the
     autograd engine runs backward formulas with grad mode on exactly then) and one of ``tensors`` (the

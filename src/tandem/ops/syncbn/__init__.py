@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from tandem._backend import use_triton
-from tandem.ops._recompute import grads_through, needs_autograd_ops, wants_graph
+from tandem.ops._recompute import grads_through, needs_autograd_ops, versions_unchanged, wants_graph
 from tandem.ops.syncbn import op as _op  # noqa: F401  (registers torch.ops.tandem.syncbn_*)
 from tandem.ops.syncbn.reference import (
     acc_dtype,
@@ -127,17 +127,11 @@ def sync_batch_norm(
             except RuntimeError:  # an inference tensor keeps none (torch refuses to save one anyway)
                 version = None
             if version is not None:
-                y.register_hook(functools.partial(_input_unchanged, input, version))
+                check = functools.partial(
+                    versions_unchanged, [input], ["SyncBatchNorm's input"], [version], ""
+                )
+                y.register_hook(check)
     return _torch_layout(y)
-
-
-def _input_unchanged(input: Tensor, version: int, grad: Tensor) -> None:
-    if input._version != version:
-        raise RuntimeError(  # autograd's words
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: SyncBatchNorm's input [{input.type()} {list(input.shape)}] is at version "
-            f"{input._version}; expected version {version} instead (changed after the forward that used it)"
-        )
 
 
 def check_eps(eps: float, training: bool) -> None:
