@@ -257,21 +257,6 @@ def _check_recognizer(rank: int, world: int) -> dict[str, Any]:
     return {"params": params(m)}
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    """Identity whose backward raises when ``armed``."""
-
-    @staticmethod
-    def forward(ctx, x, armed):
-        ctx.armed = armed
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.armed:
-            raise ValueError("raised in backward")
-        return g, None
-
-
 class RaisingNet(torch.nn.Module):
     """Four layers and a head; when ``armed``, the backward raises at the output (``where`` "top": before
     any parameter's gradient) or after two layers' gradients (``"mid"``: buckets already sent)."""
@@ -287,9 +272,9 @@ class RaisingNet(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             x = torch.tanh(layer(x))
             if self.where == "mid" and i == 1:
-                x = _RaiseInBackward.apply(x, self.armed)
+                x = _Trap.apply(x, "raise" if self.armed else None)
         out = self.head(x)
-        return _RaiseInBackward.apply(out, self.armed) if self.where == "top" else out
+        return _Trap.apply(out, "raise" if self.armed else None) if self.where == "top" else out
 
 
 def _check_failed_backward(rank: int, world: int) -> dict[str, Any]:
@@ -805,7 +790,8 @@ def scenario_main(rank: int, world: int) -> dict[str, Any]:
 
 
 class _Trap(torch.autograd.Function):
-    """Identity whose backward kills (``"kill"``) or stalls (``"stall"``) this rank."""
+    """Identity whose backward kills (``"kill"``) or stalls (``"stall"``) this rank, or raises
+    (``"raise"``)."""
 
     @staticmethod
     def forward(ctx, x, action):
@@ -818,6 +804,8 @@ class _Trap(torch.autograd.Function):
             os.kill(os.getpid(), signal.SIGKILL)
         elif ctx.action == "stall":
             time.sleep(120)
+        elif ctx.action == "raise":
+            raise ValueError("raised in backward")
         return g, None
 
 

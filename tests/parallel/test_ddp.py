@@ -375,16 +375,7 @@ def test_needs_a_process_group():
 # ----------------------------------------------------------------------------------------------
 # one rank, in this process: exactness, arguments, hooks, errors
 
-
-@pytest.fixture
-def one_rank(tmp_path):
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
+# (the fixture one_rank: conftest.py)
 
 
 def test_one_rank_is_exact_and_sends_nothing(one_rank):

@@ -218,16 +218,7 @@ def test_load_replaces_the_whole_state_and_copies_the_groups_as_torch(group):
 # ----------------------------------------------------------------------------------------------
 # one rank, in this process
 
-
-@pytest.fixture
-def one_rank(tmp_path):
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
+# (the fixture one_rank: conftest.py)
 
 
 def test_one_rank_a_model_made_channels_last_after_the_optimizer_trains_as_torchs(one_rank):
