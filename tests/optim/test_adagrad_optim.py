@@ -690,12 +690,13 @@ def test_sparse_gradient_with_weight_decay_raises_before_any_change():
 
 
 def test_amp_grad_scale_and_found_inf_as_torch_fused():
-    """What GradScaler hands an optimizer with ``_step_supports_amp_scaling``, given by hand."""
+    """What GradScaler hands an optimizer with ``_step_supports_amp_scaling``, given by hand. Whether
+    GradScaler does so follows the installed torch's fused Adagrad (torch 2.13 yes, 2.11 no)."""
     init = [torch.randn(5), torch.randn(2, 3)]
     ps_a = [torch.nn.Parameter(x.clone()) for x in init]
     ps_b = [torch.nn.Parameter(x.clone()) for x in init]
     ours, theirs = Adagrad(ps_a, lr=0.1, tol=1.0), torch.optim.Adagrad(ps_b, lr=0.1, fused=True)
-    assert ours._step_supports_amp_scaling
+    assert ours._step_supports_amp_scaling == getattr(theirs, "_step_supports_amp_scaling", False)
     for found in (0.0, 1.0, 0.0):
         for a, b in zip(ps_a, ps_b):
             g = torch.randn(a.shape) * 1024
@@ -753,7 +754,8 @@ def test_grad_scaler_end_to_end_matches_torch_fused():
 def test_grad_scaler_with_a_scale_not_a_power_of_two_bit_for_bit(dtype, contiguous, torch_kwargs):
     """Under GradScaler(init_scale=1000): where README promises torch's default's roundings, the gradients
     are unscaled as GradScaler unscales them for it (times the float32 reciprocal); on the fused path,
-    as torch's fused kernel (divided by the scale)."""
+    as torch's fused Adagrad (torch 2.13's kernel divides by the scale; under 2.11 GradScaler unscales
+    them first, as for the default)."""
     gen = torch.Generator().manual_seed(0)
     init = torch.randn(24, 16, generator=gen, dtype=torch.float64).to(dtype)
     xs = [torch.randn(24, 8, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4)]

@@ -34,6 +34,18 @@ def _fused_check_options() -> dict[str, bool]:
     return {"cuda_unsupported": True} if "cuda_unsupported=True" in source else {}
 
 
+@functools.cache
+def _torch_fused_takes_the_scale() -> bool:
+    """Whether the installed torch's fused Adagrad takes GradScaler's scale into its step
+    (``_step_supports_amp_scaling``, torch 2.13: the kernel divides by it) or lets GradScaler unscale the
+    gradients first, as for torch's default (torch 2.11: times the scale's float32 reciprocal)."""
+    try:
+        fused = torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError):  # pragma: no cover - a torch without a fused Adagrad
+        return False
+    return bool(getattr(fused, "_step_supports_amp_scaling", False))
+
+
 def torch_fused_takes(device: torch.device) -> bool:
     """Whether ``torch.optim.Adagrad(fused=True)`` updates parameters on ``device`` (the CPU, and CUDA
     where the installed torch has the kernel): the side-by-side benchmarks' baseline."""
@@ -139,9 +151,9 @@ class Adagrad(Optimizer):
             # as torch: step() checks the first parameter with a gradient once, with torch's error
             self._need_device_dtype_check_for_fused = True
         self.tol = tol
-        # GradScaler hands grad_scale/found_inf to step() instead of unscaling the grads itself: the
-        # fused update unscales them in its single pass.
-        self._step_supports_amp_scaling = True
+        # Where torch's fused Adagrad says so, GradScaler hands grad_scale/found_inf to step() instead of
+        # unscaling the grads itself: the fused update unscales them in its single pass.
+        self._step_supports_amp_scaling = _torch_fused_takes_the_scale()
         self._converged: Tensor | None = None
         self._max_change: Tensor | None = None
 
@@ -207,7 +219,7 @@ class Adagrad(Optimizer):
         self.__dict__.setdefault("tol", None)
         self.__dict__.setdefault("_converged", None)
         self.__dict__.setdefault("_max_change", None)
-        self.__dict__.setdefault("_step_supports_amp_scaling", True)
+        self.__dict__.setdefault("_step_supports_amp_scaling", _torch_fused_takes_the_scale())
 
     def share_memory(self) -> None:
         """Call ``share_memory_()`` on the ``sum`` state tensors (as torch.optim.Adagrad)."""
