@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,9 +29,19 @@ def spawn_ranks(
     tmp.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=args(r), daemon=True) for r in range(world)]
+    # the ranks are CPU processes, as in CI, also on a machine with a GPU: there torch's PowerSGD hook
+    # synchronises CUDA with the CPU tensors' device and raises (in torch's DDP as in ours)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        for p in procs:
-            p.start()
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if visible is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
         deadline = time.monotonic() + timeout_s
         for r, p in enumerate(procs):
             if r != unwaited:

@@ -158,6 +158,15 @@ def test_layouts_and_user_hooks_as_torchs_ddp(main_results, case):
     used it): torch's gradients and buffers."""
     for res in check(main_results, "layouts_and_user_hooks"):
         ours, theirs = res[f"{case}_tandem"], res[f"{case}_torch"]
+        if (
+            case == "two_forwards"
+            and torch.__version__ < "2.13"
+            and "modified by an inplace operation" in theirs.get("error", "")
+        ):
+            # seen under torch 2.11 (the GPU image): its DDP raises autograd's in-place error here,
+            # 2.13's trains (as tandem's does), so there is no torch result to compare with
+            assert "error" not in ours, ours["error"]
+            pytest.skip("torch < 2.13's DistributedDataParallel refuses two forwards before one backward")
         assert "error" not in theirs and "error" not in ours, ours.get("error") or theirs.get("error")
         assert_same_state(ours["grads"], theirs["grads"], **TIGHT)
         assert_same_state(ours["buffers"], theirs["buffers"], **TIGHT)

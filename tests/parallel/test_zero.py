@@ -7,6 +7,7 @@ at the end, whatever happened.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,13 @@ def test_load_replaces_the_whole_state_and_copies_the_groups_as_torch(group):
     m, opt = w.reference(world, range(w.STEPS))
     sd = w.checkpoint_without_state(world)
     opt.load_state_dict(sd)
+    if "len(state) == 0" not in inspect.getsource(torch.optim.Adagrad._init_group):
+        # torch 2.11's Adagrad makes every state at construction only: it raises KeyError at the step
+        # where 2.13's (the reference, and ZeroAdagrad under either) starts parameter 3's state afresh
+        for p in m.parameters():
+            if not opt.state[p]:
+                init = opt.defaults["initial_accumulator_value"]
+                opt.state[p] = {"step": torch.tensor(0.0), "sum": torch.full_like(p, init)}
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for step in range(w.STEPS, w.STEPS + w.MORE):
         w.train(m, opt, range(step, step + 1), world, None)
