@@ -412,3 +412,47 @@ def test_malformed_hx_is_refused_or_taken_as_torch(form):
         torch.testing.assert_close(outcomes[1], outcomes[0])
     else:
         assert outcomes[1] is outcomes[0]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("layout", ["dense", "packed", "unsorted"])
+@pytest.mark.parametrize("learned", ["c0", "c0+h0", "c0+weights"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_c0_changed_in_place_before_backward_as_torch(num_layers, bidirectional, layout, learned, dtype):
+    """A learned initial cell state changed in place after the forward: torch's cell saves c_0 only for
+    the forget gate's gradient, so where nothing of the first step but c_0 is learned its backward runs
+    (tandem's op saved c_0 whatever read it, and raised); elsewhere both raise autograd's error. Where
+    both run, c_0's gradients are torch's (those of c_0 as it was)."""
+    ref = torch.nn.LSTM(3, 4, num_layers=num_layers, bidirectional=bidirectional, dtype=dtype)
+    ours = tandem.nn.LSTM(3, 4, num_layers=num_layers, bidirectional=bidirectional, dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    layers = num_layers * (2 if bidirectional else 1)
+    x = torch.randn(5, 3, 3, generator=gen, dtype=dtype)
+    h_leaf, c_leaf = (torch.randn(layers, 3, 4, generator=gen, dtype=dtype) for _ in range(2))
+    outcomes = []
+    for module in (ref, ours):
+        module.requires_grad_(learned == "c0+weights")
+        h_grad, c_grad = h_leaf.clone().requires_grad_(learned == "c0+h0"), c_leaf.clone().requires_grad_()
+        h0, c0 = h_grad * 1, c_grad * 1
+        if layout == "dense":
+            inputs = x
+        else:
+            inputs = pack_padded_sequence(x, [5, 4, 2] if layout == "packed" else [2, 5, 4],
+                                          enforce_sorted=layout == "packed")  # fmt: skip
+        out, (h_n, c_n) = module(inputs, (h0, c0))
+        with torch.no_grad():
+            c0.add_(0.5)
+        try:
+            loss = (out.data if layout != "dense" else out).square().sum() + c_n.sum()
+            loss.backward()
+            outcomes.append(c_grad.grad)
+        except RuntimeError as e:
+            assert "inplace" in str(e)
+            outcomes.append("raised")
+    if isinstance(outcomes[0], str):
+        assert outcomes[1] == "raised"
+    else:
+        assert not isinstance(outcomes[1], str), "tandem raised where torch ran"
+        torch.testing.assert_close(outcomes[1], outcomes[0])

@@ -234,6 +234,7 @@ class LSTM(RNNLayers):
                         layer_input, rows.batch_sizes, h0, c0, *weights
                     )
                 else:
+                    c0 = self._unsaved_c0(c0, layer_input, h0, *weights[:4])
                     x, h0 = self._unsaved(layer_input, h0, weights[0], weights[1], c0, *weights[2:])
                     layer_input, h_last, c_last = lstm_layer(x, rows.batch_sizes, h0, c0, *weights)
                 if frozen:
@@ -250,6 +251,19 @@ class LSTM(RNNLayers):
         elif not rows.batched:
             hidden = (hidden[0].squeeze(1), hidden[1].squeeze(1))
         return self._give_output(rows, layer_input), hidden
+
+    @staticmethod
+    def _unsaved_c0(c0: Tensor, x: Tensor, h0: Tensor, *gate_weights: Tensor | None) -> Tensor:
+        """``c0`` as a layer's op takes it: a copy where no gate of the first step needs a gradient (neither
+        the layer's input, ``h0`` nor an input or recurrent weight or bias requires one). torch's cell
+        saves ``c0`` only for the forget gate's gradient (autograd's product ``f * c0``), so a caller may
+        change a learned initial cell state in place before backward where nothing else is learned;
+        tandem's op saves it whatever reads it, and raised autograd's error."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return c0
+        if not c0.requires_grad or any(t is not None and t.requires_grad for t in (x, h0, *gate_weights)):
+            return c0
+        return c0.clone()
 
 
 def _promoted_cx(data: Tensor, cx: Tensor, torch_onednn: bool) -> Tensor:
