@@ -554,6 +554,47 @@ def test_one_rank_takes_what_torchs_takes(one_rank):
     assert model.c.weight.grad is None and torch.equal(model.a.weight.grad, bare.a.weight.grad)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"broadcast_buffers": True, "forward_sync_buffers": False},
+        {"broadcast_buffers": None},
+        {"broadcast_buffers": False},
+        {"batched_grad_copy": True},
+        {"device_ids": [0]},
+        {"bucket_cap_mb_list": [1, 4, 2]},
+    ],
+    ids=[
+        "both-buffer-arguments",
+        "broadcast-none",
+        "broadcast-false",
+        "batched-copy",
+        "device-ids",
+        "cap-list",
+    ],
+)
+def test_one_rank_arguments_warn_refuse_and_read_as_the_installed_torchs(one_rank, kwargs):
+    """What the installed torch's DDP makes of these arguments, the same in tandem's: the warning when
+    both buffer arguments are given (tandem warned the plain deprecation), broadcast_buffers=None (syncs
+    buffers under torch 2.13, none under 2.11), the arguments 2.11 lacks (its TypeError), device_ids on
+    a CPU module (torch's words), and bucket_bytes_cap under a list of caps (its largest, not its last)."""
+    outcomes = []
+    for cls in (torch.nn.parallel.DistributedDataParallel, tandem.parallel.DistributedDataParallel):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # buffers
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                ddp = cls(model, **kwargs)
+            except (TypeError, ValueError) as e:
+                outcomes.append((type(e), str(e)))
+                continue
+        said = [str(m.message) for m in caught if issubclass(m.category, FutureWarning)]
+        # (tandem's default cap is its own, smaller for a small model: compared where the list sets it)
+        cap = ddp.bucket_bytes_cap if "bucket_cap_mb_list" in kwargs else None
+        outcomes.append((said, ddp.will_sync_module_buffers(), cap))
+    assert outcomes[1] == outcomes[0]
+
+
 def test_one_rank_hooks_checked_as_torch_and_tandems_hooks_register_with_torchs_ddp(one_rank):
     """torch's signature checks, with its errors (a bucket parameter annotated as a GradBucket if at all,
     a Future[Tensor] returned); tandem's hooks pass torch's and compute the same there."""

@@ -66,10 +66,16 @@ from tandem.parallel.comm import (
 
 __all__ = ["DistributedDataParallel", "DDPStats", "DEFAULT_TIMEOUT_S"]
 
-# torch 2.13 deprecates broadcast_buffers (for forward_sync_buffers) and warns whenever it is passed; so does
-# this wrapper, under a torch that does
-_TORCH_DEPRECATES_BROADCAST_BUFFERS = (
-    "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+# The installed torch's DistributedDataParallel's arguments: torch 2.13 adds forward_sync_buffers (and
+# deprecates broadcast_buffers for it, warning whenever it is passed) and batched_grad_copy; 2.11 has
+# neither (passing one is a TypeError there), and its broadcast_buffers=None syncs no buffers.
+_TORCH_DDP_ARGUMENTS = frozenset(
+    inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+)
+_TORCH_DEPRECATES_BROADCAST_BUFFERS = "forward_sync_buffers" in _TORCH_DDP_ARGUMENTS
+_BOTH_BUFFER_ARGUMENTS = (
+    "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is deprecated "
+    "and its value is ignored when `forward_sync_buffers` is provided."
 )
 _BROADCAST_BUFFERS_DEPRECATED = (
     "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
@@ -338,8 +344,20 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 FutureWarning,
                 stacklevel=2,
             )
+        newer = {
+            "batched_grad_copy": batched_grad_copy,
+            "forward_sync_buffers": forward_sync_buffers is not None,
+        }
+        for name, given in newer.items():
+            if given and name not in _TORCH_DDP_ARGUMENTS:  # Python's words for torch's signature
+                raise TypeError(
+                    f"DistributedDataParallel.__init__() got an unexpected keyword argument '{name}'"
+                )
         if broadcast_buffers is not None and _TORCH_DEPRECATES_BROADCAST_BUFFERS:
-            warnings.warn(_BROADCAST_BUFFERS_DEPRECATED, FutureWarning, stacklevel=2)
+            both = forward_sync_buffers is not None
+            warnings.warn(
+                _BOTH_BUFFER_ARGUMENTS if both else _BROADCAST_BUFFERS_DEPRECATED, FutureWarning, stacklevel=2
+            )
         super().__init__()
         Joinable.__init__(self)  # join() sets its configuration
         self._divide_by_initial_world_size = True
@@ -410,11 +428,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         # torch 2.13's rule: forward_sync_buffers, when given, decides the broadcast before each forward
         # and the buffers are synced at construction; otherwise broadcast_buffers (default True) decides
-        # both
+        # both. torch 2.11 (default True too) takes broadcast_buffers by its truth: None syncs nothing.
         if forward_sync_buffers is not None:
             self.forward_sync_buffers, self._init_sync_buffers = bool(forward_sync_buffers), True
         else:
-            sync = True if broadcast_buffers is None else bool(broadcast_buffers)
+            default = _TORCH_DEPRECATES_BROADCAST_BUFFERS
+            sync = default if broadcast_buffers is None else bool(broadcast_buffers)
             self.forward_sync_buffers, self._init_sync_buffers = sync, sync
         self.static_graph = static_graph
         # torch's static graph lets a parameter go unused without find_unused_parameters (the first
@@ -436,7 +455,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         else:
             # a cap below 0 closes every bucket at its first parameter, as torch's (which takes it): 0
             self._caps = [max(0, int(bucket_cap_mb * _MB))]
-        self.bucket_bytes_cap = self._caps[-1] if bucket_cap_mb is None else int(bucket_cap_mb * _MB)
+        if bucket_cap_mb_list:  # torch's: the largest of the list
+            self.bucket_bytes_cap = int(max(bucket_cap_mb_list) * _MB)
+        else:
+            self.bucket_bytes_cap = self._caps[-1] if bucket_cap_mb is None else int(bucket_cap_mb * _MB)
         # what a copy keeps: the settings made so far; everything _set_up makes is rebuilt
         self._settings = frozenset(self.__dict__) | {"_settings"}
         self._set_up(threaded=True)
@@ -538,8 +560,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             if device_ids or output_device:  # torch's test: output_device=0 passes on a CPU module
                 raise ValueError(
                     "DistributedDataParallel device_ids and output_device arguments only work with "
-                    f"single-device GPU modules, but got device_ids {device_ids}, output_device "
-                    f"{output_device}, and module parameters {devices}."
+                    "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                    f"{device_ids}, output_device {output_device}, and module parameters {devices}."
                 )
             self.device_ids = None
             self.output_device = None
