@@ -1104,12 +1104,19 @@ bn = tandem.nn.SyncBatchNorm(4, 1e-3, None, False, True, None, "cpu", torch.floa
 print(bn.eps, bn.momentum, bn.affine, bn.running_mean.dtype)
 net = tandem.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
 print(type(net[0]).__name__)
+# a bias taken off by hand: copied over as None, as torch 2.11's conversion does (2.13's own conversion
+# passes bias=, so it is not run under this simulation)
+bn = torch.nn.BatchNorm1d(3)
+bn.bias = None
+conv = tandem.nn.SyncBatchNorm.convert_sync_batchnorm(bn)
+print(type(conv).__name__, conv.bias is None, conv.weight is bn.weight)
 """
 
 
 def test_constructor_of_a_torch_without_bias_refuses_it_as_torch_does():
     """Under a torch whose batch norms take no ``bias`` (2.11; simulated in a fresh process), SyncBatchNorm
-    has that torch's signature: ``bias=`` is torch's own TypeError, the rest builds as before."""
+    has that torch's signature: ``bias=`` is torch's own TypeError, the rest builds as before, and a batch
+    norm whose bias was set to None converts as torch converts it."""
     src = Path(__file__).resolve().parents[2] / "src"
     done = subprocess.run(
         [sys.executable, "-c", _TORCH_WITHOUT_BIAS],
@@ -1120,7 +1127,14 @@ def test_constructor_of_a_torch_without_bias_refuses_it_as_torch_does():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     refusal = "SyncBatchNorm.__init__() got an unexpected keyword argument 'bias'"
-    assert done.stdout.splitlines() == [refusal, refusal, "0.001 None False torch.float64", "SyncBatchNorm"]
+    converted = "SyncBatchNorm True True"  # tandem's passed bias=False there: that torch's TypeError
+    assert done.stdout.splitlines() == [
+        refusal,
+        refusal,
+        "0.001 None False torch.float64",
+        "SyncBatchNorm",
+        converted,
+    ]
 
 
 # Every way of calling the constructor that torch.nn.SyncBatchNorm takes or refuses: the same module or

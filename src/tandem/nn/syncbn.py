@@ -242,8 +242,9 @@ class SyncBatchNorm(_BatchNorm):
         """
         output = module
         if isinstance(module, _BatchNorm):
-            # a batch norm without its bias exists only where torch takes the argument (TAKES_BIAS)
-            extra = {} if not module.affine or module.bias is not None else {"bias": False}
+            # bias=False where the installed torch takes the argument (TAKES_BIAS); under torch 2.11 a bias
+            # set to None by hand is copied over as it is, below (as torch's conversion does)
+            extra = {"bias": False} if TAKES_BIAS and module.affine and module.bias is None else {}
             output = cls(
                 module.num_features,
                 module.eps,
