@@ -508,9 +508,9 @@ class ZeroAdagrad(Optimizer):
         """Load a whole state (ZeroAdagrad's consolidated one, or ``torch.optim.Adagrad``'s); every rank
         keeps its shard. Call it on every rank with the same state. Checks everything before changing
         anything. As torch's, it replaces the whole state (a parameter the dict has no state for starts
-        afresh) and takes copies of the groups' values. Its hooks run as torch.optim.Optimizer's: the
-        pre-hooks on a shallow copy of ``state_dict`` (one may return another), the post-hooks once the
-        state is loaded."""
+        afresh, as under torch 2.13; torch 2.11's Adagrad raises KeyError at its step) and takes copies of
+        the groups' values. Its hooks run as torch.optim.Optimizer's: the pre-hooks on a shallow copy of
+        ``state_dict`` (one may return another), the post-hooks once the state is loaded."""
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()
             for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -562,7 +562,7 @@ class ZeroAdagrad(Optimizer):
                 group.update(loaded)
             for i, (pid, p) in enumerate(zip(ids, self._params)):
                 # The whole state is replaced, as torch's: a parameter the dict has no state for starts
-                # afresh, as torch.optim.Adagrad starts it at its next step (from the constructor's value).
+                # afresh, as torch 2.13's Adagrad starts it at its next step (from the constructor's value).
                 entry = saved_state.get(pid)
                 state = self.state[p]
                 if entry:
