@@ -609,3 +609,25 @@ def test_sm90_build_of_the_persistent_kernels_keeps_the_weights_in_registers(kin
         built = compile_sm90(fn, signature, constexprs, num_warps=warps, enable_fp_fusion=True)
         stack = local_memory_bytes(built.asm["cubin"], tmp_path)
         assert stack == 0, f"{dtype} BLOCK_H {block}, {warps} warps: {stack} bytes of stack"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_triton_kernel_keeps_the_digits_of_tiny_activations(dtype: torch.dtype, kernel: str, monkeypatch):
+    """Inputs and h0 of the size of 1e-3 to 1e-9, no bias: n = tanh(a) was 2 sigmoid(2a) - 1, whose
+    absolute error of one unit of 0.5's last place was 7% of a float32 output of 1e-6 (all of one of
+    1e-9); now the outputs agree with float64 torch to the rounding of the dtype, relative to their size."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # exact float32 products on GPUs
+    torch.manual_seed(0)
+    ref = torch.nn.GRU(INPUT, 6, bias=False, bidirectional=True, dtype=torch.float64)
+    ours = tandem.nn.GRU(INPUT, 6, bias=False, bidirectional=True).to(TRITON_DEVICE, dtype)
+    ours.load_state_dict(ref.state_dict())
+    tol = 1e-13 if dtype == torch.float64 else 2e-6
+    for scale in (1e-3, 1e-6, 1e-9):
+        x = torch.randn(5, 3, INPUT, dtype=torch.float64) * scale
+        h0 = torch.randn(2, 3, 6, dtype=torch.float64) * scale
+        with torch.no_grad():
+            want, want_h = ref(x, h0)
+            got, got_h = ours(x.to(TRITON_DEVICE, dtype), h0.to(TRITON_DEVICE, dtype))
+        for a, b in ((got, want), (got_h, want_h)):
+            torch.testing.assert_close(a.cpu().double(), b, rtol=tol, atol=tol * scale)

@@ -53,9 +53,10 @@ def gru_fwd_prologue(
     """What the forward does before its time loop, on every backend: ``(steps, gates, y, states, hn)``.
 
     ``gates`` [D, P, 3H] holds the input projection of every step and both directions (one batched
-    matmul), with b_hr and b_hz folded in and the n rows doubled: n = tanh(a) is computed as
-    2 * sigmoid(2a) - 1 (torch's CPU tanh costs ~5 sigmoids), so the loop adds ``2 r (W_hn h + b_hn)``
-    to them. The loop overwrites each step's slab with (r, z, n) and fills ``states`` and ``hn``.
+    matmul), with b_hr and b_hz folded in and the n rows doubled, so the loop adds ``2 r (W_hn h + b_hn)``
+    to them: the Triton kernels take n = tanh(a) = tanh_half(2a) (:func:`tandem.ops._triton_rnn.tanh_half`),
+    the CPU loop torch's tanh of the halved (exact) sum. The loop overwrites each step's slab with (r, z,
+    n) and fills ``states`` and ``hn``.
     ``xs`` is a ``[D, P, I]`` workspace for two directions (ignored for one).
     """
     d_, batch, hid = h0.shape
@@ -131,7 +132,9 @@ def gru_fwd_ref(
             torch.add(ws_n[n], bias_hn, out=hn_s[s])
         else:
             hn_s[s].copy_(ws_n[n])
-        g_n[s].addcmul_(g_r[s], hn_s[s], value=2.0).sigmoid_().mul_(2.0).sub_(1.0)
+        # n = tanh(a), from 2a halved (exactly): 2 sigmoid(2a) - 1 kept only an absolute error of one unit
+        # of 0.5's last place, all of a small n's value (torch's tanh is exact there)
+        g_n[s].addcmul_(g_r[s], hn_s[s], value=2.0).mul_(0.5).tanh_()
         # h = (1 - z) * n + z * h_prev
         torch.lerp(g_n[s], h_prev[s], g_z[s], out=h_out[s])
 

@@ -65,6 +65,7 @@ from tandem.ops._triton_rnn import (
     split_backward,
     step_product,
     step_rows,
+    tanh_half,
     tf32,
     upcast,
 )
@@ -170,8 +171,8 @@ def _gru_fwd_step(
     b_hn = b_acc_n
     if HAS_BIAS:
         b_hn += tl.load(p_bias + i_d * H + o_j, mask=m_j, other=0.0).to(COMPUTE)[None, :]
-    # n = tanh(a_in + r * hn) = 2 sigmoid(2 a_in + 2 r hn) - 1, the projection holding 2 a_in
-    b_n = 2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * b_r * b_hn) - 1.0
+    # n = tanh(a_in + r * hn) = tanh_half(2 a_in + 2 r hn), the projection holding 2 a_in
+    b_n = tanh_half(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * b_r * b_hn)
     b_hprev = tl.load(p_prev + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
     b_h = b_n + b_z * (b_hprev - b_n)  # (1 - z) n + z h_prev
     out_dtype = p_gates.dtype.element_ty
@@ -363,9 +364,7 @@ def _gru_fwd_persistent(
             p_g = p_gates + i_d * total * 3 * H + (row0 + o_b).to(tl.int64)[:, None] * (3 * H) + o_j[None, :]
             b_r = tl.sigmoid(tl.load(p_g, mask=m, other=0.0).to(COMPUTE) + b_acc_r)
             b_z = tl.sigmoid(tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE) + b_acc_z)
-            b_n = (
-                2.0 * tl.sigmoid(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * b_r * b_hn) - 1.0
-            )
+            b_n = tanh_half(tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE) + 2.0 * b_r * b_hn)
             b_hnew = b_n + b_z * (b_h.to(COMPUTE) - b_n)
             tl.store(p_g, b_r.to(out_dtype), mask=m)
             tl.store(p_g + H, b_z.to(out_dtype), mask=m)

@@ -9,11 +9,15 @@ sequence's own last frame), with torch.nn.LSTM's gate math and gate order (i, f,
     c = f * c_prev + i * g
     h = o * tanh(c)                        (times W_hr^T when there is a projection, proj_size = R)
 
-torch's tanh costs ~3-5 sigmoids on the CPU, so tanh is never called:
+torch's tanh costs several sigmoids on the CPU, so the backward never calls it:
 
-- g = tanh(a) = 2 sigmoid(2a) - 1, the factor 2 folded into the g rows of both weights and the bias, so
-  all four gates take one in-place sigmoid per step; the saved ``gates`` hold (i, f, sigmoid(2a_g), o);
-- the cell state is kept doubled, C = 2c, so that tanh(c) = 2 sigmoid(C) - 1 needs no scaling op.
+- the factor 2 is folded into the g rows of both weights and the bias, so that all four gates take one
+  in-place sigmoid per step: the saved ``gates`` hold (i, f, sigmoid(2a_g), o), whose derivatives the
+  backward takes (g = 2 sigmoid(2a_g) - 1 there); the forward computes g = tanh(a_g) itself, from 2a_g
+  halved (2 sigmoid(2a) - 1 keeps only an absolute error of one unit of 0.5's last place: a small g,
+  and the outputs it makes, lost most of their digits);
+- the cell state is kept doubled, C = 2c: the backward's tanh(c) = 2 sigmoid(C) - 1 needs no scaling op,
+  the forward's is tanh(C / 2).
 
 Saved for the backward, step-packed and direction-major (``[D, P, ...]``): the gate activations, C, the
 unprojected ``o * tanh(c)`` when there is a projection, and the output states of the reverse direction.
@@ -237,13 +241,17 @@ def lstm_fwd_ref(
     c_out, hr_out, h_out = steps.split(cells), steps.split(hr), steps.split(states)
     h_prev = [h0] + [h_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
     c_prev = [c0 * 2.0] + [c_out[s - 1][:, :n] for s, n in enumerate(steps.sizes) if s > 0]
-    for s in range(len(steps.sizes)):
-        g_all[s].baddbmm_(h_prev[s], w_hh_t).sigmoid_()
-        # The cell state is kept doubled, C = 2c, so that tanh(c) = 2 * sigmoid(C) - 1 needs no scaling:
-        # C = f * C_prev + 2 * i * g, with g = 2 * sigmoid(2a) - 1, is f * C_prev + 4 * i * sigmoid(2a) - 2i
-        torch.mul(g_f[s], c_prev[s], out=c_out[s]).addcmul_(g_i[s], g_g[s], value=4.0).sub_(g_i[s], alpha=2.0)
-        # h = o * tanh(c) with tanh(c) built in h's slab (the backward recomputes tanh(c) for all steps)
-        torch.sigmoid(c_out[s], out=hr_out[s]).mul_(2.0).sub_(1.0).mul_(g_o[s])
+    tanh_g = g_g[0].new_empty(c0.shape)  # a step's g = tanh(a_g)
+    for s, n in enumerate(steps.sizes):
+        g_all[s].baddbmm_(h_prev[s], w_hh_t)
+        # g = tanh(a_g) from the doubled 2 a_g, halved exactly: 2 sigmoid(2 a_g) - 1 kept only an absolute
+        # error of one unit of 0.5's last place, all of a small g's value (torch's tanh is exact there)
+        g = torch.mul(g_g[s], 0.5, out=tanh_g[:, :n]).tanh_()
+        g_all[s].sigmoid_()  # i, f, o, and sigmoid(2 a_g) for the backward
+        # The cell state is kept doubled, C = 2c: C = f * C_prev + 2 * i * g
+        torch.mul(g_f[s], c_prev[s], out=c_out[s]).addcmul_(g_i[s], g, value=2.0)
+        # h = o * tanh(c), tanh(c) = tanh(C / 2) built in h's slab
+        torch.mul(c_out[s], 0.5, out=hr_out[s]).tanh_().mul_(g_o[s])
         if w_hr_t is not None:
             torch.bmm(hr_out[s], w_hr_t, out=h_out[s])
 

@@ -81,6 +81,7 @@ from tandem.ops._triton_rnn import (
     split_backward,
     step_product,
     step_rows,
+    tanh_half,
     tf32,
     upcast,
 )
@@ -201,12 +202,13 @@ def _lstm_fwd_kernel(
     p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
     b_i = tl.sigmoid(b_zi + tl.load(p_g, mask=m, other=0.0).to(COMPUTE))
     b_f = tl.sigmoid(b_zf + tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE))
-    b_sg = tl.sigmoid(b_zg + tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE))
+    b_ag = b_zg + tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)  # 2 a_g
+    b_sg = tl.sigmoid(b_ag)  # saved for the backward
     b_o = tl.sigmoid(b_zo + tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE))
     b_cp = tl.load(p_cprev + r_prev[:, None] * H + o_j[None, :], mask=m, other=0.0).to(COMPUTE)
-    # The reference's tanh-free form: g = 2 sigmoid(2 a_g) - 1 and C = 2c, so C = f C_prev + 2 i g.
-    b_c = b_f * b_cp + 4.0 * b_i * b_sg - 2.0 * b_i
-    b_hn = b_o * (2.0 * tl.sigmoid(b_c) - 1.0)
+    # As the reference: C = 2c, so C = f C_prev + 2 i g, with g = tanh(a_g) and tanh(c) = tanh_half(C)
+    b_c = b_f * b_cp + 2.0 * b_i * tanh_half(b_ag)
+    b_hn = b_o * tanh_half(b_c)
 
     DTYPE = p_gates.dtype.element_ty
     tl.store(p_g, b_i.to(DTYPE), mask=m)
@@ -420,10 +422,11 @@ def _lstm_fwd_persistent(
             p_g = p_gates + r_row[:, None] * (4 * H) + o_j[None, :]
             b_i = tl.sigmoid(b_zi + tl.load(p_g, mask=m, other=0.0).to(COMPUTE))
             b_f = tl.sigmoid(b_zf + tl.load(p_g + H, mask=m, other=0.0).to(COMPUTE))
-            b_sg = tl.sigmoid(b_zg + tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE))
+            b_ag = b_zg + tl.load(p_g + 2 * H, mask=m, other=0.0).to(COMPUTE)
+            b_sg = tl.sigmoid(b_ag)
             b_o = tl.sigmoid(b_zo + tl.load(p_g + 3 * H, mask=m, other=0.0).to(COMPUTE))
-            b_c = b_f * b_cs.to(COMPUTE) + 4.0 * b_i * b_sg - 2.0 * b_i  # as _lstm_fwd_kernel
-            b_hn = b_o * (2.0 * tl.sigmoid(b_c) - 1.0)
+            b_c = b_f * b_cs.to(COMPUTE) + 2.0 * b_i * tanh_half(b_ag)  # as _lstm_fwd_kernel
+            b_hn = b_o * tanh_half(b_c)
             tl.store(p_g, b_i.to(DTYPE), mask=m)
             tl.store(p_g + H, b_f.to(DTYPE), mask=m)
             tl.store(p_g + 2 * H, b_sg.to(DTYPE), mask=m)
