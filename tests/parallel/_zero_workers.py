@@ -362,6 +362,77 @@ def _check_load_replaces_state(rank: int, world: int) -> dict[str, Any]:
     return {"params": params(m), "checkpoint_lr": float(sd["param_groups"][0]["lr"])}
 
 
+def _check_refusals(rank: int, world: int) -> dict[str, Any]:
+    """What one rank or every rank refuses, each raised on every rank with nothing moved anywhere: the
+    model converted after the optimizer was made (its shards were cut for the old dtype: wrong numbers,
+    ranks apart, or Gloo aborting), a parameter grown through .data (its new elements never stepped), a
+    sparse gradient on one rank only (the other ranks stepped), a 2-element tensor lr (torch's
+    TypeError), and a state dict whose step is no number (the groups were loaded before it raised). A
+    frozen parameter that a graph saved keeps its version through a step (a broadcast into it made that
+    graph's backward raise on the ranks that do not own it)."""
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, m: torch.nn.Module, opt: ZeroAdagrad, fn: Callable[[], Any]) -> None:
+        before = [p.detach().clone() for p in m.parameters()]
+        sums = [opt.state[p]["sum"].clone() for p in m.parameters()]
+        out[name] = {
+            "error": _raises(fn),
+            "moved": any(not torch.equal(a, b.to(a.dtype)) for a, b in zip(before, m.parameters()))
+            or any(not torch.equal(a, opt.state[p]["sum"]) for a, p in zip(sums, m.parameters()))
+            or any(opt.state[p]["step"].item() != 1 for p in m.parameters()),
+        }
+
+    def one_step() -> tuple[torch.nn.Module, ZeroAdagrad]:
+        m = model()
+        opt = ZeroAdagrad(groups(m), **HYPER, timeout=TIMEOUT_S)
+        train(m, opt, range(1), world, None)  # the whole batch on every rank: the same gradients
+        return m, opt
+
+    def grads_and_step(m: torch.nn.Module, opt: ZeroAdagrad) -> None:
+        x, y = batch(1, world)
+        opt.zero_grad()
+        ((m(x.to(m[0].weight.dtype)) - y.to(m[0].weight.dtype)) ** 2).mean().backward()
+        opt.step()
+
+    m, opt = one_step()
+    m.float()
+    attempt("converted", m, opt, lambda: grads_and_step(m, opt))
+    m, opt = one_step()
+    m[4].bias.data = torch.zeros(5, dtype=torch.float64)
+    m[4].bias.grad = torch.ones(5, dtype=torch.float64)
+    attempt("grown", m, opt, opt.step)
+    m, opt = one_step()
+    train(m, torch.optim.SGD(m.parameters(), lr=0.0), range(1), world, None)  # gradients, no step
+    if rank == world - 1:
+        m[0].weight.grad = m[0].weight.grad.to_sparse()
+    attempt("one_rank_refuses", m, opt, opt.step)
+    m, opt = one_step()
+    opt.param_groups[1]["lr"] = torch.tensor([0.1, 0.2], dtype=torch.float64)
+    train(m, torch.optim.SGD(m.parameters(), lr=0.0), range(1), world, None)
+    attempt("lr_of_two_elements", m, opt, opt.step)
+    m, opt = one_step()
+    sd = reference(world, range(1))[1].state_dict()
+    sd["param_groups"][0]["lr"] = 0.5
+    sd["state"][1]["step"] = torch.tensor([1.0, 2.0])
+    attempt("bad_step_loaded", m, opt, lambda: opt.load_state_dict(sd))
+    out["bad_step_loaded"]["lr"] = opt.param_groups[0]["lr"]
+
+    # a frozen first layer that a graph saved: a step of the others leaves its version alone
+    m = model()
+    opt = ZeroAdagrad(m.parameters(), **HYPER, timeout=TIMEOUT_S)
+    m[0].requires_grad_(False)
+    x, y = batch(2, world)
+    kept = m[0](x.requires_grad_())  # saves the frozen weight for x's gradient
+    ((m(x) - y) ** 2).mean().backward(retain_graph=True)
+    version = m[0].weight._version
+    opt.step()
+    out["frozen"] = {
+        "version_kept": m[0].weight._version == version,
+        "backward": _raises(lambda: kept.sum().backward()),
+    }
+    return out
+
+
 CHECKS = {
     "state_dict_hooks": _check_state_dict_hooks,
     "group_initial_value": _check_group_initial_value,
@@ -372,6 +443,7 @@ CHECKS = {
     "mismatch": _check_mismatch,
     "channels_last": _check_channels_last,
     "load_replaces_state": _check_load_replaces_state,
+    "refusals": _check_refusals,
 }
 
 

@@ -223,6 +223,39 @@ def test_load_replaces_the_whole_state_and_copies_the_groups_as_torch(group):
         assert res["checkpoint_lr"] == float(sd["param_groups"][0]["lr"]) == 0.1
 
 
+def test_refusals_raise_on_every_rank_before_anything_moves(group):
+    """(_check_refusals) Each refusal raises on every rank and moves no parameter, sum or step anywhere;
+    the rank that refused says why, the others that it did. A frozen parameter keeps its version."""
+    world, results = group
+    for r, res in enumerate(check(results, "refusals")):
+        for case, reason in [
+            (
+                "converted",
+                "RuntimeError: ZeroAdagrad: parameter 0 is now [7, 6], torch.float32 on cpu; it was",
+            ),
+            ("grown", "RuntimeError: ZeroAdagrad: parameter 5 is now [5], torch.float64 on cpu; it was [3]"),
+            ("lr_of_two_elements", "TypeError: Adagrad: expected lr as a number or a 1-element tensor"),
+            (
+                "bad_step_loaded",
+                "ValueError: ZeroAdagrad.load_state_dict: expected state['step'] of parameter 1",
+            ),
+        ]:
+            assert res[case]["error"].startswith(reason), (r, case, res[case]["error"])
+            assert not res[case]["moved"], (r, case)
+        refused = res["one_rank_refuses"]
+        if r == world - 1:
+            assert refused["error"].startswith(
+                "RuntimeError: ZeroAdagrad: parameter 0 has a torch.sparse_coo gradient"
+            )
+        else:
+            assert refused["error"].startswith(
+                f"RuntimeError: ZeroAdagrad: 1 other rank(s) of {world} refused"
+            )
+        assert not refused["moved"]
+        assert res["bad_step_loaded"]["lr"] == 0.1
+        assert res["frozen"] == {"version_kept": True, "backward": "no error"}
+
+
 # ----------------------------------------------------------------------------------------------
 # one rank, in this process
 

@@ -293,14 +293,7 @@ class Adagrad(Optimizer):
                     raise RuntimeError("`fused` does not support sparse grad or complex param")
                 if group["fused"] and group["differentiable"]:  # set after construction: torch's error
                     raise RuntimeError("adagrad with fused=True does not support differentiable=True")
-                lr = group["lr"]
-                if isinstance(lr, Tensor) and lr.numel() != 1:
-                    # a tensor lr set in param_groups after construction: torch's update refuses it with
-                    # a TypeError (its addcdiv_ takes a number)
-                    raise TypeError(
-                        f"Adagrad: expected lr as a number or a 1-element tensor, got a tensor of shape "
-                        f"{list(lr.shape)}"
-                    )
+                lr = group["lr"]  # (a tensor of more elements: hyperparameters' TypeError, as torch's)
                 if group["differentiable"] and isinstance(lr, Tensor) and lr.requires_grad:
                     # torch's update takes lr as a number there (its addcdiv_ refuses a tensor value): a
                     # gradient with respect to lr would silently be lost

@@ -245,6 +245,8 @@ class ZeroAdagrad(Optimizer):
                 hint="Every rank must pass the same parameters, in the same order.",
             )
 
+        # what the shards are cut for: a parameter converted since (model.float()) is refused at step()
+        self._made_as = [(p.shape, p.dtype, p.device) for p in self._params]
         pieces, self._bounds = shard_layout(self._params, self.world_size)
         self._mine: dict[int, Piece] = {pc.index: pc for pc in pieces if pc.owner == self.rank}
         self._transfers = _plan(pieces, self._params) if self.world_size > 1 else []
@@ -305,16 +307,53 @@ class ZeroAdagrad(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Gather and check every group first: a bad gradient raises before anything has moved.
-        self._check_same_gradients_present()
-        # A non-contiguous parameter (``model.to(memory_format=torch.channels_last)``, before or after the
-        # optimizer was made, as torch.optim.Adagrad allows): its shards, runs of its elements in logical
-        # order, are no views of it. It steps and takes the others' shards in a contiguous copy, copied back.
-        staged = {
-            i: p.contiguous()
-            for i, p in enumerate(self._params)
-            if not p.is_contiguous() and (self.world_size > 1 or p.grad is not None)
-        }
+        # Check every parameter and gradient and read every group first, on every rank: what any rank
+        # refuses raises on all of them (its own error there) before anything has moved anywhere.
+        staged: dict[int, Tensor] = {}
+        work: list = []
+        refusal: Exception | None = None
+        try:
+            self._check_params_as_made()
+            # A non-contiguous parameter (``model.to(memory_format=torch.channels_last)``, before or after
+            # the optimizer was made, as torch.optim.Adagrad allows): its shards, runs of its elements in
+            # logical order, are no views of it. It steps and takes the others' shards in a contiguous
+            # copy, copied back.
+            staged = {
+                i: p.contiguous()
+                for i, p in enumerate(self._params)
+                if not p.is_contiguous() and (self.world_size > 1 or p.grad is not None)
+            }
+            work = self._gather(staged)
+        except Exception as e:  # every kind: the other ranks must not step either
+            refusal = e
+        stepped = self._agree(refusal)
+        for (lr, lr_decay, weight_decay, eps, maximize), ps, gs, ss, ts in work:
+            adagrad_unchecked(
+                ps,
+                gs,
+                ss,
+                ts,
+                lr=lr,
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=maximize,
+                differentiable=False,
+                grad_scale=None,
+                found_inf=None,
+                return_max_change=False,
+            )
+        self._steps_taken += 1
+        if self.world_size > 1:
+            self._share_shards(staged, stepped)
+        for i, whole in staged.items():
+            if stepped[i]:
+                self._params[i].copy_(whole)
+        return loss
+
+    def _gather(self, staged: dict[int, Tensor]) -> list:
+        """Every group's hyper-parameters and this rank's slices of its parameters, gradients and state,
+        checked: ``[(hyper, params, grads, sums, steps)]``."""
         work = []
         for g, group in enumerate(self.param_groups):
             ps, gs, ss, ts = [], [], [], []
@@ -344,41 +383,43 @@ class ZeroAdagrad(Optimizer):
                     group["lr"], group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"]
                 )
                 work.append((hyper, ps, gs, ss, ts))
-        for (lr, lr_decay, weight_decay, eps, maximize), ps, gs, ss, ts in work:
-            adagrad_unchecked(
-                ps,
-                gs,
-                ss,
-                ts,
-                lr=lr,
-                lr_decay=lr_decay,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=maximize,
-                differentiable=False,
-                grad_scale=None,
-                found_inf=None,
-                return_max_change=False,
-            )
-        self._steps_taken += 1
-        if self.world_size > 1:
-            self._share_shards(staged)
-        for i, whole in staged.items():
-            self._params[i].copy_(whole)
-        return loss
+        return work
 
-    def _check_same_gradients_present(self) -> None:
-        """Every rank must step the same parameters (DDP's averaged gradients are on every rank or on
-        none): a parameter whose gradient is None on some ranks only would be updated in some shards and
-        not in others. One all-reduce of an int32 a parameter; a ValueError on every rank otherwise."""
+    def _check_params_as_made(self) -> None:
+        for i, (p, (shape, dtype, device)) in enumerate(zip(self._params, self._made_as)):
+            if p.shape != shape or p.dtype != dtype or p.device != device:
+                raise RuntimeError(
+                    f"ZeroAdagrad: parameter {i} is now {list(p.shape)}, {p.dtype} on {p.device}; it was "
+                    f"{list(shape)}, {dtype} on {device} when the optimizer was made, and its shards are cut "
+                    "for that (model.float(), .double() or .to(), or a new .data, since?): make the "
+                    "optimizer after converting the model"
+                )
+
+    def _agree(self, refusal: Exception | None) -> list[bool]:
+        """Which parameters step (those with a gradient), agreed by every rank, or every rank raises:
+        ``refusal`` where this rank refused the step, a RuntimeError naming how many others did where they
+        did (nothing moved anywhere), and a ValueError where a gradient is on some ranks only (DDP's
+        averaged gradients are on every rank or on none: its shards would move on some ranks only). One
+        all-reduce of an int32 a parameter, and one for the refusals."""
+        present = [p.grad is not None for p in self._params]
         if self.world_size == 1:
-            return
-        present = torch.tensor(
-            [p.grad is not None for p in self._params], dtype=torch.int32, device=self._params[0].device
+            if refusal is not None:
+                raise refusal
+            return present
+        flags = torch.tensor(
+            present + [refusal is not None], dtype=torch.int32, device=self._params[0].device
         )
         what = "the all-reduce of which parameters have a gradient"
-        all_reduce(present, self.process_group, self.timeout, what, who=_WHO)
-        for i, count in enumerate(present.tolist()):
+        all_reduce(flags, self.process_group, self.timeout, what, who=_WHO)
+        *counts, refused = flags.tolist()
+        if refusal is not None:
+            raise refusal
+        if refused:
+            raise RuntimeError(
+                f"ZeroAdagrad: {refused} other rank(s) of {self.world_size} refused this step (each raised "
+                "why); no rank stepped"
+            )
+        for i, count in enumerate(counts):
             if count not in (0, self.world_size):
                 p = self._params[i]
                 raise ValueError(
@@ -386,14 +427,20 @@ class ZeroAdagrad(Optimizer):
                     f"{self.world_size} ranks; every rank must step with the same gradients (DDP's "
                     "averaged ones), or its shards would move on some ranks only"
                 )
+        return [count == self.world_size for count in counts]
 
-    def _share_shards(self, staged: dict[int, Tensor]) -> None:
+    def _share_shards(self, staged: dict[int, Tensor], stepped: list[bool]) -> None:
         """Every rank's updated shard to every rank: one broadcast per transfer, all in flight at once.
-        ``staged`` holds the contiguous copies that stand in for non-contiguous parameters."""
+        ``staged`` holds the contiguous copies that stand in for non-contiguous parameters. What did not
+        step (no gradient on any rank) is not written: a frozen parameter that a graph saved keeps its
+        version, as under torch.optim.Adagrad (a broadcast into it made that graph's backward raise on
+        the ranks that do not own it)."""
         flats = [staged[i].view(-1) if i in staged else p.view(-1) for i, p in enumerate(self._params)]
         deadline = time.monotonic() + self.timeout
         pending = []
         for k, tr in enumerate(self._transfers):
+            if not any(stepped[pc.index] for pc in tr.pieces):
+                continue  # the same on every rank: the flags were agreed
             if len(tr.pieces) == 1:
                 pc = tr.pieces[0]
                 buf = flats[pc.index][pc.start : pc.stop]
@@ -405,13 +452,17 @@ class ZeroAdagrad(Optimizer):
             fut = work.get_future()
             pending.append((k, tr, buf, fut, watch(fut)))
         for k, tr, buf, fut, event in pending:
-            what = f"the broadcast of rank {tr.owner}'s updated parameters (transfer {k} of {len(pending)})"
+            what = (
+                f"the broadcast of rank {tr.owner}'s updated parameters (transfer {k} of "
+                f"{len(self._transfers)})"
+            )
             wait_event(event, deadline, what, self.timeout, _WHO)
             result(fut, what, _WHO)
             if len(tr.pieces) > 1 and tr.owner != self.rank:
                 offset = 0
                 for pc in tr.pieces:
-                    flats[pc.index][pc.start : pc.stop].copy_(buf[offset : offset + pc.numel])
+                    if stepped[pc.index]:
+                        flats[pc.index][pc.start : pc.stop].copy_(buf[offset : offset + pc.numel])
                     offset += pc.numel
 
     # ------------------------------------------------------------------------------------------
@@ -547,6 +598,13 @@ class ZeroAdagrad(Optimizer):
                     f"ZeroAdagrad.load_state_dict: expected 'step' and 'sum' in the state of parameter {i}, "
                     f"got {list(entry)}"
                 )
+            try:
+                float(entry["step"])
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(
+                    f"ZeroAdagrad.load_state_dict: expected state['step'] of parameter {i} as a number or "
+                    f"a 1-element tensor, got {entry['step']!r:.60}"
+                ) from None
             total = entry["sum"]
             if not torch.is_tensor(total) or total.shape != p.shape:
                 got = tuple(total.shape) if torch.is_tensor(total) else type(total).__name__

@@ -23,6 +23,13 @@ def hyperparameters(
     by Python's arithmetic with a float, ``maximize`` by its truth value. What that update refuses raises
     its error here, before any tensor changes (the kernels take floats and a bool only)."""
     if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            # a tensor lr set in param_groups after construction: torch's update refuses it with a
+            # TypeError (its addcdiv_ takes a number)
+            raise TypeError(
+                "Adagrad: expected lr as a number or a 1-element tensor, got a tensor of shape "
+                f"{list(lr.shape)}"
+            )
         lr = lr.item()  # as torch's for-loop path, which passes it on as a Python number
     maximize = bool(maximize)
     # torch's ops on nothing: its clr = lr / (1 + (step - 1) * lr_decay), its addcdiv_ value, eps, alpha
