@@ -456,3 +456,36 @@ def test_c0_changed_in_place_before_backward_as_torch(num_layers, bidirectional,
     else:
         assert not isinstance(outcomes[1], str), "tandem raised where torch ran"
         torch.testing.assert_close(outcomes[1], outcomes[0])
+
+
+@needs_onednn
+@pytest.mark.parametrize("enforce_sorted", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("lengths", [[4, 4, 4], [1, 1, 1], [4, 4, 3]], ids=["equal", "ones", "ragged"])
+def test_packed_batch_of_equal_lengths_runs_onednn_as_torch(enforce_sorted, lengths):
+    """torch.nn.LSTM runs oneDNN's cell on a PackedSequence whose sequences are all as long (its rows are
+    a padded batch's): tandem's did its own kernel there, a few units of the last place off, and took
+    c_0 dtypes torch refuses. Outputs and gradients equal torch's; a ragged batch stays tandem's kernel."""
+    ref = torch.nn.LSTM(3, 5, num_layers=2, bidirectional=True)
+    ours = tandem.nn.LSTM(3, 5, num_layers=2, bidirectional=True)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 3, 3)
+    results = []
+    for module in (ref, ours):
+        leaf = x.clone().requires_grad_()
+        out, (h_n, c_n) = module(pack_padded_sequence(leaf, lengths, enforce_sorted=enforce_sorted))
+        loss = (out.data * torch.linspace(-1, 1, out.data.numel()).view_as(out.data)).sum() + c_n.sum()
+        results.append((out.data, h_n, c_n, *torch.autograd.grad(loss, [leaf, *module.parameters()])))
+    for expected, got in zip(*results):
+        if lengths == [4, 4, 3]:
+            torch.testing.assert_close(got, expected)
+        else:
+            assert torch.equal(got, expected)
+    c0_half = (torch.zeros(4, 3, 5), torch.zeros(4, 3, 5, dtype=torch.float16))
+    outcomes = []
+    for module in (ref, ours):
+        try:
+            module(pack_padded_sequence(x, lengths, enforce_sorted=enforce_sorted), c0_half)
+            outcomes.append("ran")
+        except RuntimeError:
+            outcomes.append("raised")
+    assert outcomes[1] == outcomes[0]

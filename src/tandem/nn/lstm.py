@@ -187,7 +187,7 @@ class LSTM(RNNLayers):
             raise TypeError(_HX_TENSOR)
         if len(hx) != 2:
             raise RuntimeError("lstm expects two hidden states")
-        torch_onednn = torch_runs_onednn(rows.data, rows.packed, self.proj_size)
+        torch_onednn = torch_runs_onednn(rows.data, rows.packed and not _uniform(rows), self.proj_size)
         hx = (
             self._autocast_state(hx[0], dtype),
             _promoted_cx(rows.data, self._autocast_state(hx[1], dtype), torch_onednn),
@@ -264,6 +264,16 @@ class LSTM(RNNLayers):
         if not c0.requires_grad or any(t is not None and t.requires_grad for t in (x, h0, *gate_weights)):
             return c0
         return c0.clone()
+
+
+def _uniform(rows: Any) -> bool:
+    """Whether every step of a packed batch holds every sequence (their lengths all equal): torch.nn.LSTM
+    runs oneDNN's cell on it then, as on a padded batch (the rows are laid out alike). Traced by
+    torch.compile, tandem's own kernel (the lengths are data there)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    sizes = rows.batch_sizes
+    return bool((sizes == sizes[0]).all())
 
 
 def _promoted_cx(data: Tensor, cx: Tensor, torch_onednn: bool) -> Tensor:

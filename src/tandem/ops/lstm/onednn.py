@@ -32,15 +32,16 @@ def onednn_applies(torch_runs: bool) -> bool:
     )
 
 
-def torch_runs_onednn(x: Tensor, packed: bool, proj_size: int) -> bool:
-    """Whether torch.nn.LSTM itself runs oneDNN's cell for this input, not its native one: ``x`` the rows
-    of a padded batch (``packed`` False: torch runs its native loop on PackedSequences) on the CPU, no
-    projection, oneDNN available and enabled (``torch.backends.mkldnn``). What decides, too, which ``c_0``
-    dtypes it takes and who checks the weights' dtypes (tandem.nn.lstm). torch's rule
-    (``use_mkldnn`` in ATen's RNN.cpp): float32, or bfloat16 where the CPU computes it natively; float16
-    only without grad mode on CPUs with float16 arithmetic, which this rule leaves to tandem's kernel."""
+def torch_runs_onednn(x: Tensor, ragged: bool, proj_size: int) -> bool:
+    """Whether torch.nn.LSTM itself runs oneDNN's cell for this input, not its native one: ``x`` the rows of a
+    padded batch or of a PackedSequence whose sequences are all as long (``ragged`` False: torch runs its
+    native loop on other PackedSequences) on the CPU, no projection, oneDNN available and enabled
+    (``torch.backends.mkldnn``). What decides, too, which ``c_0`` dtypes it takes and who checks the weights'
+    dtypes (tandem.nn.lstm). torch's rule (``use_mkldnn`` in ATen's RNN.cpp): float32, or bfloat16 where the
+    CPU computes it natively; float16 only without grad mode on CPUs with float16 arithmetic, which this rule
+    leaves to tandem's kernel."""
     return (
-        not packed
+        not ragged
         and x.device.type == "cpu"
         and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _ONEDNN_BF16))
         and x.numel() != 0
