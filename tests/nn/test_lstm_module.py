@@ -489,3 +489,26 @@ def test_packed_batch_of_equal_lengths_runs_onednn_as_torch(enforce_sorted, leng
         except RuntimeError:
             outcomes.append("raised")
     assert outcomes[1] == outcomes[0]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("used", ["c_n", "h_n", "output"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_projection_gradient_is_none_where_torchs_is(steps, used, layers):
+    """With a projection, a loss on c_n alone after one step: the last layer's weight_hr made only the
+    output and h_n, so torch leaves its gradient None (an optimizer skips it: no weight decay, no step
+    counted); tandem's was a tensor of zeros. Every other gradient, None or not, as torch's."""
+    ref = torch.nn.LSTM(2, 3, proj_size=1, num_layers=layers, dtype=torch.float64)
+    ours = tandem.nn.LSTM(2, 3, proj_size=1, num_layers=layers, dtype=torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(steps, 2, 2, dtype=torch.float64)
+    grads = []
+    for module in (ref, ours):
+        out, (h_n, c_n) = module(x)
+        {"c_n": c_n, "h_n": h_n, "output": out}[used].sum().backward()
+        grads.append({n: p.grad for n, p in module.named_parameters()})
+    for name, expected in grads[0].items():
+        got = grads[1][name]
+        assert (got is None) == (expected is None), name
+        if expected is not None:
+            torch.testing.assert_close(got, expected, msg=name)
