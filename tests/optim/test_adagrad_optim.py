@@ -874,3 +874,62 @@ def test_exported_from_tandem_and_share_memory():
     opt = Adagrad([torch.nn.Parameter(torch.zeros(2))])
     opt.share_memory()
     assert all(opt.state[p]["sum"].is_shared() for p in opt.param_groups[0]["params"])
+
+
+def _step_outcome(opt: torch.optim.Optimizer) -> str:
+    try:
+        opt.step()
+        return "stepped"
+    except (RuntimeError, TypeError) as e:
+        return type(e).__name__ + (": " + str(e) if not str(e).startswith("_fused_adagrad_()") else "")
+
+
+@pytest.mark.parametrize(
+    "case", ["zero-size-tracked", "fused-sparse-decay", "fused-maximize-int", "leaf-differentiable"]
+)
+def test_refusals_and_edge_steps_as_torch(case):
+    """What a randomised comparison with torch found: tol= with a zero-size parameter alone in its dtype
+    (amax of nothing raised; torch steps), a sparse gradient under fused=True with weight_decay (torch's
+    fused refusal comes first), an int maximize under fused=True (torch's fused op takes a bool: its
+    TypeError), and differentiable=True on leaf parameters (torch raises autograd's in-place error after
+    it counted the step and added to the sum; tandem raises it before anything changes)."""
+    outcomes, states = [], []
+    for cls in (torch.optim.Adagrad, Adagrad):
+        kwargs = {"tol": 0.0} if cls is Adagrad and case == "zero-size-tracked" else {}
+        if case == "zero-size-tracked":
+            ps = [
+                torch.nn.Parameter(torch.zeros(0, 3, dtype=torch.float64)),
+                torch.nn.Parameter(torch.ones(2)),
+            ]
+            grads = [torch.zeros(0, 3, dtype=torch.float64), torch.ones(2)]
+        elif case == "fused-sparse-decay":
+            ps = [torch.nn.Parameter(torch.ones(4, 2))]
+            grads = [torch.sparse_coo_tensor([[1, 3]], torch.ones(2, 2), (4, 2))]
+            kwargs |= {"fused": True, "weight_decay": 0.1}
+        elif case == "fused-maximize-int":
+            ps, grads = [torch.nn.Parameter(torch.ones(3))], [torch.ones(3)]
+            kwargs |= {"fused": True}
+        else:
+            ps, grads = (
+                [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))],
+                [torch.ones(2)] * 2,
+            )
+            kwargs |= {"differentiable": True}
+        opt = cls(ps, lr=0.1, **kwargs)
+        if case == "fused-maximize-int":
+            opt.param_groups[0]["maximize"] = 1
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        outcomes.append(_step_outcome(opt))
+        states.append(
+            [
+                (float(opt.state[p]["step"]), opt.state[p]["sum"].tolist()) if opt.state[p] else None
+                for p in ps
+            ]
+        )
+    assert outcomes[1] == outcomes[0]
+    if case == "leaf-differentiable":
+        assert outcomes[0].startswith("RuntimeError: a leaf Variable that requires grad")
+        assert states[1] == [(0.0, [0.0, 0.0])] * 2  # nothing changed (torch's first parameter moved on)
+    elif case == "zero-size-tracked":
+        assert outcomes[0] == "stepped" and states[1] == states[0]

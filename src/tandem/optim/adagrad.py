@@ -287,12 +287,25 @@ class Adagrad(Optimizer):
                 # torch's foreach update refuses autograd, with a gradient or without
                 raise AssertionError("_foreach ops don't support autograd")
             if params:
-                if group["weight_decay"] != 0 and any(g.is_sparse for g in grads):
-                    raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+                # torch's order: its fused update's refusal comes before the per-tensor update's
                 if group["fused"] and any(g.is_sparse or torch.is_complex(p) for p, g in zip(params, grads)):
                     raise RuntimeError("`fused` does not support sparse grad or complex param")
+                if group["weight_decay"] != 0 and any(g.is_sparse for g in grads):
+                    raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+                if group["fused"] and not isinstance(group["maximize"], bool):
+                    # torch's fused op takes a bool alone (its TypeError lists its signatures)
+                    raise TypeError(
+                        "_fused_adagrad_(): expected maximize as a bool, got "
+                        f"{type(group['maximize']).__name__}"
+                    )
                 if group["fused"] and group["differentiable"]:  # set after construction: torch's error
                     raise RuntimeError("adagrad with fused=True does not support differentiable=True")
+                if group["differentiable"] and any(p.is_leaf and p.requires_grad for p in params):
+                    # what torch's differentiable update raises at its in-place change of such a parameter,
+                    # after it has counted the step and added to the sum: here before anything changes
+                    raise RuntimeError(
+                        "a leaf Variable that requires grad is being used in an in-place operation."
+                    )
                 lr = group["lr"]  # (a tensor of more elements: hyperparameters' TypeError, as torch's)
                 if group["differentiable"] and isinstance(lr, Tensor) and lr.requires_grad:
                     # torch's update takes lr as a number there (its addcdiv_ refuses a tensor value): a

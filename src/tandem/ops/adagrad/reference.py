@@ -275,7 +275,8 @@ def _fused_tracked(
         torch._foreach_copy_(old, flat_params)
         torch._fused_adagrad_(*batch, **kwargs)
         torch._foreach_sub_(old, flat_params)
-        maxima.append(used.abs_().amax())
+        if used.numel():  # (zero-size parameters alone change nothing: amax of nothing raises)
+            maxima.append(used.abs_().amax())
         for x in (*batch, flat_params, sizes):
             x.clear()
 
