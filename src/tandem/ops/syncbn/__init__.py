@@ -214,7 +214,9 @@ def _normalized(
     if mean is not None:
         return torch.where(keep, (x - mean) * invstd, 0), None, None
     dims = [0, *range(2, x.dim())]
-    count = keep.sum(dims, keepdim=True)
+    # no real frame: 0 / 0 made the mean NaN, and 0 * NaN every x_hat and the weight's gradient (torch's
+    # batch norm of an empty batch has a gradient of 0); over at least one frame the count is itself
+    count = keep.sum(dims, keepdim=True).clamp(min=1)
     batch_mean = torch.where(keep, x, 0).sum(dims, keepdim=True) / count
     centred = torch.where(keep, x - batch_mean, 0)
     var = centred.square().sum(dims, keepdim=True) / count
@@ -375,16 +377,20 @@ def _differentiable_grads(
     dims = [0, *range(2, x.dim())]
     shape = [1, -1] + [1] * (x.dim() - 2)
     keep = _real(x, mask)
+    # float32 for half inputs, as the kernels compute (in float16 the derivative of rsqrt(var), var^-1.5,
+    # overflowed for a small variance: an inf or NaN gradient where torch's stays finite)
+    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     with torch.enable_grad():
         xs = x if need_dx else x.detach()
+        xw = xs.to(work)
         if ctx.batch_stats:
-            x_hat, _, _ = _normalized(xs, keep, ctx.eps)
+            x_hat, _, _ = _normalized(xw, keep, ctx.eps)
         else:  # the running statistics: constants
             x_hat, _, _ = _normalized(
-                xs, keep, ctx.eps, mean.to(x.dtype).view(shape), invstd.to(x.dtype).view(shape)
+                xw, keep, ctx.eps, mean.to(work).view(shape), invstd.to(work).view(shape)
             )
-        y = x_hat if weight is None else x_hat * weight.view(shape)
-        dx, dw = grads_through([y], [dy], [xs, weight], [need_dx, need_w])
+        y = x_hat if weight is None else x_hat * weight.to(work).view(shape)
+        dx, dw = grads_through([y], [dy.to(work)], [xs, weight], [need_dx, need_w])
         db = torch.where(keep, dy, 0).sum(dims).to(ctx.bias_dtype) if need_b else None
     return dx, dw, db
 
