@@ -400,7 +400,7 @@ class ZeroAdagrad(Optimizer):
         ``refusal`` where this rank refused the step, a RuntimeError naming how many others did where they
         did (nothing moved anywhere), and a ValueError where a gradient is on some ranks only (DDP's
         averaged gradients are on every rank or on none: its shards would move on some ranks only). One
-        all-reduce of an int32 a parameter, and one for the refusals."""
+        all-reduce: an int32 a parameter, and one more that counts the refusals."""
         present = [p.grad is not None for p in self._params]
         if self.world_size == 1:
             if refusal is not None:
