@@ -1207,3 +1207,30 @@ def test_masked_second_derivative_of_half_input_stays_finite():
         grads.append(g.detach().double())
     assert grads[1].isfinite().all()
     torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=2e-2 * grads[0].abs().max().item())
+
+
+@pytest.mark.parametrize("case", ["eval-dx-frozen", "train-dbias", "train-dweight-x-constant"])
+def test_masked_create_graph_gradients_are_attached_as_torchs(case):
+    """A gradient penalty through masked batch norm on a gradient that depends on no differentiable input
+    (dx in eval with a frozen weight, dbias, dweight of an input without grad): torch's comes with its
+    double-backward node, so the penalty runs (the inputs' gradients stay None); tandem's came back
+    detached and the penalty raised. Reference: BatchNorm1d, every frame real."""
+    torch.manual_seed(0)
+    x0 = torch.randn(4, 3, 5)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    outcomes = []
+    for cls in (torch.nn.BatchNorm1d, tandem.nn.SyncBatchNorm):
+        m = cls(3).train(case != "eval-dx-frozen")
+        if case == "eval-dx-frozen":
+            m.requires_grad_(False)
+        x = x0.clone().requires_grad_(case != "train-dweight-x-constant")
+        wrt = {"eval-dx-frozen": x, "train-dbias": m.bias, "train-dweight-x-constant": m.weight}[case]
+        y = m(x) if cls is torch.nn.BatchNorm1d else m(x, mask=mask)
+        (g,) = torch.autograd.grad(
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), wrt, create_graph=True
+        )
+        g.square().sum().backward()
+        grads = [t.grad is None for t in (x, m.weight, m.bias)]
+        outcomes.append((g.requires_grad, grads, g.detach()))
+    assert outcomes[1][:2] == outcomes[0][:2]
+    torch.testing.assert_close(outcomes[1][2], outcomes[0][2])

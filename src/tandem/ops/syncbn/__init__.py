@@ -392,7 +392,29 @@ def _differentiable_grads(
         y = x_hat if weight is None else x_hat * weight.to(work).view(shape)
         dx, dw = grads_through([y], [dy.to(work)], [xs, weight], [need_dx, need_w])
         db = torch.where(keep, dy, 0).sum(dims).to(ctx.bias_dtype) if need_b else None
+    # torch's batch norm gives every gradient of a create_graph backward its double-backward node, also
+    # one that depends on no differentiable input (dx in eval, dbias): a penalty on it runs, and leaves
+    # the inputs' gradients None. Such a gradient came back detached here, and the penalty raised.
+    anchors = [t for t in (x, weight, dy) if t is not None and t.requires_grad]
+    if anchors:
+        dx, dw, db = (
+            g if g is None or g.requires_grad else _Attached.apply(g, *anchors) for g in (dx, dw, db)
+        )
     return dx, dw, db
+
+
+class _Attached(torch.autograd.Function):
+    """``value`` as the output of a node whose backward reaches none of ``anchors`` (see
+    :func:`_differentiable_grads`)."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, *anchors: Tensor) -> Tensor:
+        ctx.inputs = 1 + len(anchors)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, ...]:
+        return (None,) * ctx.inputs
 
 
 # How long a rank that waits for the others' statistics on the CPU polls for them before it sleeps. A
