@@ -1234,3 +1234,22 @@ def test_masked_create_graph_gradients_are_attached_as_torchs(case):
         outcomes.append((g.requires_grad, grads, g.detach()))
     assert outcomes[1][:2] == outcomes[0][:2]
     torch.testing.assert_close(outcomes[1][2], outcomes[0][2])
+
+
+def test_masked_eval_gradient_of_a_non_finite_frame_is_torchs():
+    """In eval torch's input gradient is dy * weight * invstd whatever x holds; the masked backward formed
+    (x - mean) * 0 + ..., so an inf or NaN frame's gradient was NaN."""
+    x = torch.tensor([[[0.5, float("inf"), -1.0, float("nan")]]])
+    mask = torch.tensor([[True, True, True, False]])
+    dy = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
+    ref, ours = torch.nn.BatchNorm1d(1).eval(), tandem.nn.SyncBatchNorm(1).eval()
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.running_mean.fill_(0.25)
+            m.running_var.fill_(4.0)
+            m.weight.fill_(1.5)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(ref(a), a, dy)
+    (got,) = torch.autograd.grad(ours(b, mask=mask), b, dy)
+    torch.testing.assert_close(got[..., :3], want[..., :3])
+    assert got[..., 3].item() == 0.0  # a padded frame's gradient is 0

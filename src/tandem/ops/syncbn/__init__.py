@@ -350,16 +350,21 @@ class _SyncBatchNorm(torch.autograd.Function):
             sums = (sum_dy, sum_dy_xhat)
         if not need_dx:
             dx = None
+        elif not ctx.batch_stats:
+            # fixed (running) statistics: y is affine in x, dx = dy * weight * invstd, x unread (the kernel's
+            # (x - mean) * 0 made an inf or NaN frame's gradient NaN; torch's stays finite)
+            scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+            full = torch.mul(dy.to(invstd.dtype), scale.view([1, -1] + [1] * (x.dim() - 2)))
+            if mask is not None:
+                full.masked_fill_(~mask.unsqueeze(1), 0)
+            dx = full.to(x.dtype) if dx is None else dx.copy_(full)  # (x's strides, as the kernel's)
         else:
-            if ctx.batch_stats:
-                combined = torch.cat(sums)  # [2C]: the sums of every rank, then divided by all frames
-                if ctx.group is not None:
-                    # float64 on the wire whatever the rank's dtype: ranks of float32 and float64 inputs
-                    # send the same bytes
-                    combined = sum_over_ranks(combined.double(), ctx.group).to(sums[0].dtype)
-                mean_dy, mean_dy_xhat = (combined / count.clamp(min=1)).chunk(2)
-            else:  # fixed (running) statistics: y is affine in x
-                mean_dy = mean_dy_xhat = torch.zeros_like(invstd)
+            combined = torch.cat(sums)  # [2C]: the sums of every rank, then divided by all frames
+            if ctx.group is not None:
+                # float64 on the wire whatever the rank's dtype: ranks of float32 and float64 inputs send
+                # the same bytes
+                combined = sum_over_ranks(combined.double(), ctx.group).to(sums[0].dtype)
+            mean_dy, mean_dy_xhat = (combined / count.clamp(min=1)).chunk(2)
             if eager:
                 dx = syncbn_bwd_ref(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask, out=dx)
             else:
