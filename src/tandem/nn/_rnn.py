@@ -166,6 +166,12 @@ class RNNLayers(torch.nn.RNNBase):
             frozen.append(check)
 
     @staticmethod
+    def _copies_may_matter() -> bool:
+        """Whether a copy of what an op saves (:meth:`_unsaved`, LSTM's ``_unsaved_c0``) can matter: grad
+        mode on and eager (torch.compile and jit.trace record what the op saves themselves)."""
+        return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+
+    @staticmethod
     def _unsaved(
         x: Tensor, h0: Tensor, w_ih: Tensor, w_hh: Tensor, *others: Tensor | None
     ) -> tuple[Tensor, Tensor]:
@@ -174,7 +180,7 @@ class RNNLayers(torch.nn.RNNBase):
         them for those gradients alone (autograd's products), so their callers may change them in place
         before backward where no weight needs a gradient (input saliency on a frozen model, a learned
         initial state); tandem's ops save their inputs whatever reads them, and raised autograd's error."""
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        if not RNNLayers._copies_may_matter():
             return x, h0
         if not any(t is not None and t.requires_grad for t in (x, h0, w_ih, w_hh, *others)):
             return x, h0  # no backward will run

@@ -259,7 +259,7 @@ class LSTM(RNNLayers):
         saves ``c0`` only for the forget gate's gradient (autograd's product ``f * c0``), so a caller may
         change a learned initial cell state in place before backward where nothing else is learned;
         tandem's op saves it whatever reads it, and raised autograd's error."""
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        if not LSTM._copies_may_matter():
             return c0
         if not c0.requires_grad or any(t is not None and t.requires_grad for t in (x, h0, *gate_weights)):
             return c0
