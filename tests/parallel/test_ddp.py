@@ -8,6 +8,7 @@ every process is killed at the end, whatever happened.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from pathlib import Path
 from typing import Any
@@ -552,6 +553,21 @@ def test_one_rank_takes_what_torchs_takes(one_rank):
     w.loss_fn(ddp(x, False), y).backward()  # a parameter unused: static_graph lets it go
     w.loss_fn(bare(x, False), y).backward()
     assert model.c.weight.grad is None and torch.equal(model.a.weight.grad, bare.a.weight.grad)
+
+
+def test_every_argument_of_torchs_ddp_is_taken_with_torchs_default():
+    """The installed torch's signature, argument by argument, with its defaults: under torch 2.11
+    broadcast_buffers defaults to True (a None passed syncs nothing there), under 2.13 to None (read as
+    True). tandem's default was None under both, so under 2.11 no buffer was ever synchronised."""
+    ours = inspect.signature(tandem.parallel.DistributedDataParallel.__init__).parameters
+    torchs = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    for name, theirs in torchs.items():
+        assert name in ours and ours[name].default == theirs.default, name
+
+    def positional(params):
+        return [n for n, p in params.items() if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+    assert positional(ours)[: len(positional(torchs))] == positional(torchs)  # in torch's order
 
 
 @pytest.mark.parametrize(

@@ -68,10 +68,11 @@ __all__ = ["DistributedDataParallel", "DDPStats", "DEFAULT_TIMEOUT_S"]
 
 # The installed torch's DistributedDataParallel's arguments: torch 2.13 adds forward_sync_buffers (and
 # deprecates broadcast_buffers for it, warning whenever it is passed) and batched_grad_copy; 2.11 has
-# neither (passing one is a TypeError there), and its broadcast_buffers=None syncs no buffers.
-_TORCH_DDP_ARGUMENTS = frozenset(
-    inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
-)
+# neither (passing one is a TypeError there), and its broadcast_buffers defaults to True, a None passed
+# syncing no buffers (2.13's default is None, read as True). tandem's default is the installed torch's.
+_TORCH_DDP_PARAMETERS = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+_TORCH_DDP_ARGUMENTS = frozenset(_TORCH_DDP_PARAMETERS)
+_BROADCAST_BUFFERS_DEFAULT = _TORCH_DDP_PARAMETERS["broadcast_buffers"].default
 _TORCH_DEPRECATES_BROADCAST_BUFFERS = "forward_sync_buffers" in _TORCH_DDP_ARGUMENTS
 _BOTH_BUFFER_ARGUMENTS = (
     "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is deprecated "
@@ -303,7 +304,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         device_ids: list[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool | None = None,
+        broadcast_buffers: bool | None = _BROADCAST_BUFFERS_DEFAULT,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
@@ -427,13 +428,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         # torch's DDP keeps the default group itself when given none (hooks and Join compare groups)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         # torch 2.13's rule: forward_sync_buffers, when given, decides the broadcast before each forward
-        # and the buffers are synced at construction; otherwise broadcast_buffers (default True) decides
-        # both. torch 2.11 (default True too) takes broadcast_buffers by its truth: None syncs nothing.
+        # and the buffers are synced at construction; otherwise broadcast_buffers (None reads as True)
+        # decides both. torch 2.11 (default True) takes broadcast_buffers by its truth: None syncs nothing.
+        # Both keep the value given, as torch's does (will_sync_module_buffers() may return it).
         if forward_sync_buffers is not None:
-            self.forward_sync_buffers, self._init_sync_buffers = bool(forward_sync_buffers), True
+            self.forward_sync_buffers, self._init_sync_buffers = forward_sync_buffers, True
         else:
-            default = _TORCH_DEPRECATES_BROADCAST_BUFFERS
-            sync = default if broadcast_buffers is None else bool(broadcast_buffers)
+            sync = broadcast_buffers
+            if sync is None and _TORCH_DEPRECATES_BROADCAST_BUFFERS:
+                sync = True
             self.forward_sync_buffers, self._init_sync_buffers = sync, sync
         self.static_graph = static_graph
         # torch's static graph lets a parameter go unused without find_unused_parameters (the first
@@ -820,9 +823,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def join_process_group(self) -> Any:
         return self.process_group
 
-    def will_sync_module_buffers(self) -> bool:
+    def will_sync_module_buffers(self) -> bool | None:
         """Whether the next forward broadcasts buffers (as torch's method tells)."""
-        return bool(self._sync_buffers_next and self.forward_sync_buffers and self._shared_buffers(True))
+        return self._sync_buffers_next and self.forward_sync_buffers and len(self._shared_buffers(True)) > 0
 
     def stats(self) -> DDPStats:
         """Timings and bytes of the last synchronised backward (see :class:`DDPStats`)."""
