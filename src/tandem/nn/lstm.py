@@ -11,7 +11,12 @@ from torch.nn.utils.rnn import PackedSequence
 
 from tandem.nn._rnn import RNNLayers, needs_formulas
 from tandem.ops.lstm import lstm as lstm_layer
-from tandem.ops.lstm.onednn import lstm_layer_onednn, onednn_applies, torch_runs_onednn
+from tandem.ops.lstm.onednn import (
+    lstm_layer_onednn,
+    onednn_applies,
+    torch_runs_onednn,
+    torch_runs_onednn_when_packed_uniform,
+)
 from tandem.ops.lstm.reference import lstm_layer_autograd
 
 __all__ = ["LSTM"]
@@ -267,10 +272,10 @@ class LSTM(RNNLayers):
 
 
 def _uniform(rows: Any) -> bool:
-    """Whether every step of a packed batch holds every sequence (their lengths all equal): torch.nn.LSTM
-    runs oneDNN's cell on it then, as on a padded batch (the rows are laid out alike). Traced by
-    torch.compile, tandem's own kernel (the lengths are data there)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    """Whether every step of a packed batch holds every sequence (their lengths all equal) and this torch's
+    LSTM runs oneDNN's cell on it then, as on a padded batch (the rows are laid out alike; torch 2.13 does,
+    2.11 runs its native loop). Traced by torch.compile, tandem's own kernel (the lengths are data there)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or not torch_runs_onednn_when_packed_uniform():
         return False
     sizes = rows.batch_sizes
     return bool((sizes == sizes[0]).all())

@@ -7,9 +7,10 @@ float32), 1.7-3x faster than its own native loop. tandem's
 plain-PyTorch kernel (:mod:`tandem.ops.lstm.reference`) reaches the native loop's speed and more, not
 oneDNN's: a time step of eager ops cannot match a JIT-compiled fused cell (BENCHMARKS.md, lstm). So where
 torch would run oneDNN, tandem.nn.LSTM runs the same primitive, called the way torch calls it, with the
-same results bit for bit; everywhere else (PackedSequence input, where torch falls back to its native
-loop; proj_size; float64; oneDNN disabled with ``torch.backends.mkldnn.flags(enabled=False)``) tandem's
-own kernel runs.
+same results bit for bit (a PackedSequence whose sequences are all as long among them, under a torch
+that unwraps it, 2.13); everywhere else (other PackedSequences, where torch falls back to its native loop;
+proj_size; float64; oneDNN disabled with ``torch.backends.mkldnn.flags(enabled=False)``) tandem's own
+kernel runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["onednn_applies", "lstm_layer_onednn", "torch_runs_onednn"]
+__all__ = [
+    "onednn_applies",
+    "lstm_layer_onednn",
+    "torch_runs_onednn",
+    "torch_runs_onednn_when_packed_uniform",
+]
 
 _MODE_LSTM = 2  # cuDNN's RNN mode numbering, which the aten RNN ops share
 
@@ -57,6 +63,36 @@ def _onednn_enabled() -> bool:
     return torch._C._get_mkldnn_enabled()
 
 
+def _packed_uniform_check() -> bool:
+    """Whether this torch's LSTM runs oneDNN's cell on a PackedSequence whose sequences are all as long (its
+    rows laid out as a padded batch's): torch 2.13 unwraps such a batch and runs its dense path there; torch
+    2.11 runs its native loop on every PackedSequence. Asked of torch itself: a one-step packed LSTM, whose
+    graph holds oneDNN's backward where torch ran oneDNN."""
+    if not _ONEDNN_AVAILABLE:
+        return False
+    enabled = torch._C._get_mkldnn_enabled()
+    try:
+        torch._C._set_mkldnn_enabled(True)  # (backends.mkldnn.flags() also sets TF32, with a warning)
+        with torch.inference_mode(False), torch.enable_grad():
+            lstm = torch.nn.LSTM(1, 1)
+            data = torch.ones(1, 1)
+            batch_sizes = torch.ones(1, dtype=torch.int64)
+            hx = (data[None], data[None])
+            out = torch._VF.lstm(data, batch_sizes, hx, lstm._flat_weights, True, 1, 0.0, True, False)[0]
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "mkldnn" in type(node).__name__.lower():
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False
+
+
 def _bf16_check() -> bool:
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(check is not None and check())
@@ -66,6 +102,13 @@ def _bf16_check() -> bool:
 # mkldnn_bf16_device_check): read once, constants to torch.compile, which cannot trace the queries
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 _ONEDNN_BF16 = _bf16_check()
+_ONEDNN_PACKED_UNIFORM = _packed_uniform_check()
+
+
+def torch_runs_onednn_when_packed_uniform() -> bool:
+    """Whether this torch's LSTM runs oneDNN's cell on a PackedSequence whose sequences are all as long, where
+    it would on their padded batch (torch 2.13 does; 2.11 runs its native loop on any PackedSequence)."""
+    return _ONEDNN_PACKED_UNIFORM
 
 
 def lstm_layer_onednn(
