@@ -518,3 +518,19 @@ def test_projection_gradient_is_none_where_torchs_is(steps, used, layers):
         assert (got is None) == (expected is None), name
         if expected is not None:
             torch.testing.assert_close(got, expected, msg=name)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("x_dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_packed_input_of_another_dtype_is_refused_in_torchs_words(x_dtype, bias):
+    """torch.nn.LSTM's packed path refuses an input unlike its weights in its first matrix product
+    (RuntimeError "mat1 and mat2 must have the same dtype ..." with a bias, another sentence without):
+    tandem's said its own check's words, under torch's type."""
+    ref, ours = torch.nn.LSTM(3, 4, bias=bias), tandem.nn.LSTM(3, 4, bias=bias)
+    x = pack_padded_sequence(torch.randn(5, 2, 3, dtype=x_dtype), [5, 3])
+    said = []
+    for module in (ref, ours):
+        with pytest.raises(RuntimeError) as caught:
+            module(x)
+        said.append(str(caught.value))
+    assert said[1] == said[0]

@@ -183,7 +183,11 @@ class LSTM(RNNLayers):
         except ValueError as e:
             if not rows.packed:
                 raise
-            raise RuntimeError(str(e)) from None  # torch's type: its op's matrix product refuses the dtype
+            # torch's type and words: its op's first matrix product (input by weight_ih_l0) refuses the dtypes
+            bias = weights_now.get("bias_ih_l0") if self.bias else None
+            raise RuntimeError(
+                _product_refusal(rows.data, weights_now["weight_ih_l0"], bias, str(e))
+            ) from None
         self._check_state_size(rows, hx[0], out_size, "Expected hidden[0] size {}, got {}")
         self._check_state_size(rows, hx[1], self.hidden_size, "Expected hidden[1] size {}, got {}")
         # what torch's lstm op refuses once the checks above passed (packed and unbatched input have made a
@@ -269,6 +273,18 @@ class LSTM(RNNLayers):
         if not c0.requires_grad or any(t is not None and t.requires_grad for t in (x, h0, *gate_weights)):
             return c0
         return c0.clone()
+
+
+def _product_refusal(x: Tensor, weight: Tensor, bias: Tensor | None, fallback: str) -> str:
+    """What torch's ``linear(x, weight, bias)`` says of an ``x`` of another dtype than the weight's, in its
+    own words (asked of it on one-element operands; they differ with and without a bias); ``fallback``
+    where it takes them."""
+    try:
+        b = None if bias is None else bias.new_empty(1)
+        torch.nn.functional.linear(x.new_empty(1, 1), weight.new_empty(1, 1), b)
+    except RuntimeError as e:
+        return str(e)
+    return fallback
 
 
 def _uniform(rows: Any) -> bool:
