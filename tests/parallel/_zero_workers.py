@@ -217,6 +217,37 @@ def _check_mixed_dtypes(rank: int, world: int) -> dict[str, Any]:
     return {"params": params(m), "shards": {str(k[1]): v.numel() for k, v in opt._shards.items()}}
 
 
+HALF_SIZES = (1000, 4099, 70)  # cuts fall inside the first two at any world size
+
+
+def half_params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(10)
+    return [
+        torch.nn.Parameter(torch.randn(n).to(dt))
+        for dt in (torch.bfloat16, torch.float16)
+        for n in HALF_SIZES
+    ]
+
+
+def half_grads(step: int, ps: list[torch.nn.Parameter]) -> None:
+    """The same (already averaged) gradients on every rank."""
+    torch.manual_seed(100 + step)
+    for p in ps:
+        p.grad = (torch.randn(p.shape) * 1e-2).to(p.dtype)
+
+
+def _check_half_weight_decay(rank: int, world: int) -> dict[str, Any]:
+    """bfloat16 and float16 parameters with weight decay: torch's per-element ops round a half type
+    otherwise in their vectorised body than in its tail, so a shard cut anywhere inside a parameter gave a
+    few elements other bits than torch.optim.Adagrad's step of the whole parameter."""
+    ps = half_params()
+    opt = ZeroAdagrad(ps, lr=0.1, weight_decay=0.01, timeout=TIMEOUT_S)
+    for step in range(3):
+        half_grads(step, ps)
+        opt.step()
+    return {"params": [p.detach().clone() for p in ps]}
+
+
 def _check_mismatch(rank: int, world: int) -> dict[str, Any]:
     """Rank 0 passes one parameter more: every rank raises, none hangs."""
     m = model()
@@ -439,6 +470,7 @@ CHECKS = {
     "train": _check_train_and_state,
     "load": _check_load,
     "mixed_dtypes": _check_mixed_dtypes,
+    "half_weight_decay": _check_half_weight_decay,
     "bad_arguments": _check_bad_arguments,
     "mismatch": _check_mismatch,
     "channels_last": _check_channels_last,

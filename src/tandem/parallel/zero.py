@@ -3,7 +3,11 @@
 Every rank keeps the whole model, but only 1/N of Adagrad's ``sum`` state: the parameters of each
 (device, dtype) are laid end to end in one flat index space (in ``param_groups`` order), which is cut
 into N contiguous shards of equal length (to one element: rank r owns ``[r * n // N, (r + 1) * n // N)``).
-A shard boundary may fall inside a parameter. A step then runs:
+A shard boundary may fall inside a parameter; for dtypes that step through torch's per-element ops rather
+than its fused kernel (bfloat16, float16), only at a multiple of 64 elements from the parameter's start:
+those ops round half types differently in their vectorised body than in its scalar tail, so a slice cut
+elsewhere gave a few elements other bits than the whole parameter's step (and than another world size's).
+A step then runs:
 
 1. the gradients are already averaged over the ranks: the model is wrapped in
    :class:`tandem.parallel.DistributedDataParallel` (or torch's), whose bucketed all-reduce runs during
@@ -46,6 +50,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from tandem.ops.adagrad import adagrad_unchecked, hyperparameters
+from tandem.ops.adagrad.reference import fused_adagrad_supported
 from tandem.optim.adagrad import check_hyperparameters
 from tandem.parallel.comm import (
     all_reduce,
@@ -85,7 +90,8 @@ class Piece:
 def shard_layout(
     params: list[Tensor], world: int
 ) -> tuple[list[Piece], dict[tuple[torch.device, torch.dtype], list[int]]]:
-    """Cut the parameters of each (device, dtype) into ``world`` contiguous shards of equal length.
+    """Cut the parameters of each (device, dtype) into ``world`` contiguous shards of equal length (half
+    types: each cut moved back to its parameter's start plus a multiple of :data:`HALF_CUT_ALIGN` elements).
 
     Returns the pieces (parameter slices, each within one shard) in flat order, and for each
     (device, dtype) the shard boundaries ``[0, n // world, ..., n]`` (``n`` elements in all).
@@ -104,8 +110,11 @@ def shard_layout(
     pieces: list[Piece] = []
     bounds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for key, idx in members.items():
-        total = sum(params[i].numel() for i in idx)
+        sizes = [params[i].numel() for i in idx]
+        total = sum(sizes)
         cut = [total * r // world for r in range(world + 1)]
+        if not fused_adagrad_supported(*key):
+            cut = _aligned_cuts(cut, sizes)
         bounds[key] = cut
         offset = 0
         for i in idx:
@@ -116,6 +125,25 @@ def shard_layout(
                     pieces.append(Piece(i, lo - a, hi - a, r, lo))
             offset = b
     return pieces, bounds
+
+
+# where a half-type parameter may be cut: torch's elementwise CPU loops take 2 vectors a pass (64 bfloat16 or
+# float16 elements with AVX-512) and the rest apart, rounded otherwise; a cut at a multiple of this from
+# the parameter's start leaves every element where the whole parameter's step has it
+HALF_CUT_ALIGN = 64
+
+
+def _aligned_cuts(cut: list[int], sizes: list[int]) -> list[int]:
+    """``cut`` (flat offsets over parameters of ``sizes`` laid end to end), each moved back to the start of
+    the parameter it falls in plus a multiple of :data:`HALF_CUT_ALIGN` (still in order)."""
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    aligned = []
+    for c in cut:
+        start = max(s for s in starts if s <= c)
+        aligned.append(start + (c - start) // HALF_CUT_ALIGN * HALF_CUT_ALIGN)
+    return aligned
 
 
 @dataclass
