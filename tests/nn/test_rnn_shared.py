@@ -752,3 +752,37 @@ def test_tiny_activations_keep_their_digits(torch_cls, tandem_cls, dtype, packed
         for a, b in [(got, want), *zip(got_h if isinstance(got_h, tuple) else [got_h],
                                        want_h if isinstance(want_h, tuple) else [want_h])]:  # fmt: skip
             torch.testing.assert_close(a, b, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize(
+    "attr, value",
+    [("batch_first", 0), ("batch_first", 1), ("bias", 1), ("training", 1), ("bidirectional", 0)],
+)
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_a_flag_set_to_a_non_bool_is_refused_as_torch_refuses_it(torch_cls, tandem_cls, attr, value):
+    """A setting changed after construction to an int (a config loader's 0 or 1): torch's op raises a
+    TypeError; tandem's kernels read it as true or false and computed."""
+    said = []
+    for cls in (torch_cls, tandem_cls):
+        module = cls(3, 4)
+        setattr(module, attr, value)
+        with pytest.raises(TypeError) as caught:
+            module(torch.randn(5, 2, 3))
+        said.append(str(caught.value).splitlines()[0])
+    assert said[1] == said[0]
+
+
+@pytest.mark.parametrize("hx_size", [None, 2, 6])
+def test_gru_given_proj_size_positionally_raises_as_torch(hx_size):
+    """torch.nn.GRU refuses ``proj_size=`` but not the same value passed positionally: it builds a
+    weight_hr and every forward raises a RuntimeError. tandem's ran its kernel and raised a ValueError of
+    its own (or computed without the projection)."""
+    said = []
+    for cls in (torch.nn.GRU, tandem.nn.GRU):
+        torch.manual_seed(0)
+        module = cls(4, 6, 1, True, False, 0.0, False, 2)
+        hx = None if hx_size is None else torch.zeros(1, 3, hx_size)
+        with pytest.raises(RuntimeError) as caught:
+            module(torch.randn(5, 3, 4), hx)
+        said.append(str(caught.value))
+    assert said[1] == said[0]

@@ -203,7 +203,7 @@ class RNNLayers(torch.nn.RNNBase):
         tensors cast on the way in, as torch's autocast wrapper of ``_cudnn_rnn`` casts and then excludes
         autocast: the concatenation of the layers' states and the formulas of an empty batch or of
         torch.func compute in that dtype too, not in autocast's own (which failed or gave float32)."""
-        if not isinstance(self.bidirectional, bool) or self._under_cpu_autocast(input):
+        if self._settings_torch_refuses() or self._under_cpu_autocast(input):
             return self._torch_forward(input, hx)  # torch's error, or torch's mixed-precision numbers
         data = input[0] if isinstance(input, PackedSequence) else input
         dtype = self._autocast_dtype(data) if isinstance(data, Tensor) else None
@@ -211,6 +211,16 @@ class RNNLayers(torch.nn.RNNBase):
             return self._forward(input, hx, None)
         with torch.autocast(data.device.type, enabled=False):
             return self._forward(input, hx, dtype)
+
+    def _settings_torch_refuses(self) -> bool:
+        """Settings set after construction (or given positionally) that torch's op refuses: a flag that is
+        not a bool (``m.batch_first = 0``: its TypeError), a GRU with a ``proj_size`` (the constructor
+        refuses only the keyword; every forward raises). tandem's kernels would read them as true or
+        false: torch's own forward runs, for its error."""
+        flags = (self.bidirectional, self.batch_first, self.bias, self.training)
+        if not all(isinstance(f, bool) for f in flags) or not isinstance(self.proj_size, int):
+            return True
+        return self.mode != "LSTM" and self.proj_size != 0
 
     @staticmethod
     def _as_called(dtype: torch.dtype | None, data: Tensor) -> contextlib.AbstractContextManager:
