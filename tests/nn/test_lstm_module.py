@@ -534,3 +534,28 @@ def test_packed_input_of_another_dtype_is_refused_in_torchs_words(x_dtype, bias)
             module(x)
         said.append(str(caught.value))
     assert said[1] == said[0]
+
+
+@pytest.mark.parametrize("enforce_sorted", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("hx_kind", ["tolist", "numpy", "numpy-pair", "tensor-and-int"])
+def test_packed_input_with_a_malformed_state_raises_as_torch(hx_kind, enforce_sorted):
+    """A PackedSequence with a state that is no pair of tensors: torch's permutation of it, or its op's
+    argument parser, refuses it (a TypeError naming the type as Python does, ``numpy.ndarray``); tandem's
+    said "lstm expects two hidden states" for a list of lists and "'int' object is not callable" for an
+    array."""
+    h = torch.zeros(1, 3, 4)
+    hx = {
+        "tolist": h.tolist(),
+        "numpy": h.numpy(),
+        "numpy-pair": (h.numpy(), h.numpy()),
+        "tensor-and-int": (h, 1),
+    }
+    said = []
+    for cls in (torch.nn.LSTM, tandem.nn.LSTM):
+        torch.manual_seed(0)
+        lengths = [5, 4, 2] if enforce_sorted else [2, 5, 4]
+        packed = pack_padded_sequence(torch.randn(5, 3, 3), lengths, enforce_sorted=enforce_sorted)
+        with pytest.raises(Exception) as caught:
+            cls(3, 4)(packed, hx[hx_kind])
+        said.append((type(caught.value), str(caught.value)))
+    assert said[1] == said[0]

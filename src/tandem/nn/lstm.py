@@ -145,16 +145,13 @@ class LSTM(RNNLayers):
                 # input's dtype, below)
                 if isinstance(hx, Tensor):
                     raise TypeError(_HX_TENSOR)
-                if rows.sorted_indices is None and isinstance(hx, (tuple, list)):
-                    # no permutation takes hx apart first (torch's raises its IndexError there): the op's
-                    # errors for a pair it cannot take
-                    if len(hx) != 2:
-                        raise RuntimeError("lstm expects two hidden states")
-                    for i, t in enumerate(hx):
-                        if not isinstance(t, Tensor):
-                            raise TypeError(
-                                f"expected Tensor as element {i} in argument 2, but got {type(t).__name__}"
-                            )
+                if not isinstance(hx, (tuple, list)) or not all(isinstance(t, Tensor) for t in hx):
+                    # refused by torch's permutation of hx or by its op's argument parser, before any
+                    # computation: torch's forward, for its error (its type's qualified name among them)
+                    return self._torch_forward(input, hx)
+                if rows.sorted_indices is None and len(hx) != 2:
+                    # no permutation takes hx apart first (torch's raises its IndexError there)
+                    raise RuntimeError("lstm expects two hidden states")
                 if isinstance(hx, tuple) and len(hx) == 2 and (hx[0].dim() != 3 or hx[1].dim() != 3):
                     raise IndexError(
                         "Expected hidden[0] and hidden[1] of 3 dimensions (layers * directions, batch, size) "
