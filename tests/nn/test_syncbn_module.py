@@ -953,6 +953,41 @@ def test_errors_torch_checks_before_the_channels_and_eps_in_eval(case):
         assert (ValueError, str(masked.value)) == theirs
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        "eval-untracked-one-row-other-channels",
+        "eval-untracked-eps-0-other-channels",
+        "eval-untracked-eps-negative-other-channels",
+        "train-one-row-eps-0",
+        "tracking-switched-on-other-channels",
+        "lazy-converted-before-its-first-forward",
+    ],
+)
+def test_errors_in_torchs_order_where_batch_statistics_run_in_eval(case):
+    """Which error comes first, as torch's batch norm raises it: in eval without running statistics the
+    batch's statistics run, so its batch size and positive-eps checks come before a wrong channel count
+    (tandem checked them as for eval); a batch of one with eps 0 is refused for its size first; tracking
+    switched on without buffers is torch's assertion, not the channel count; a lazy batch norm converted
+    before its first forward is F.batch_norm's ValueError on the uninitialised weight."""
+    eps = {"eps-0": 0.0, "eps-negative": -1e-3}
+    eps = next((v for k, v in eps.items() if k in case), 1e-5)
+    classes = (tandem.nn.SyncBatchNorm, torch.nn.SyncBatchNorm)  # (torch's: F.batch_norm, with no group)
+    if case.startswith("lazy"):
+        mods = [cls.convert_sync_batchnorm(torch.nn.LazyBatchNorm1d()) for cls in classes]
+    else:
+        untracked = case.startswith("eval-untracked") or case.startswith("tracking")
+        mods = [cls(3, eps=eps, track_running_stats=not untracked) for cls in classes]
+    for m in mods:
+        m.train(not case.startswith("eval"))
+        if case.startswith("tracking"):
+            m.track_running_stats = True
+    x = torch.randn(1 if "one-row" in case else 2, 3 if case.startswith("train") else 4)
+    ours, theirs = (_outcome(m, x) for m in mods)
+    assert isinstance(theirs, tuple) and ours[0] == theirs[0]
+    assert ours[1].split(" at 0x")[0] == theirs[1].split(" at 0x")[0]  # (a function's address in the words)
+
+
 @pytest.mark.parametrize("masked", [False, True], ids=["", "masked"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_a_strided_input_changed_in_place_before_backward_raises_as_torchs(masked, training):

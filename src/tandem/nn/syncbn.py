@@ -128,15 +128,20 @@ class SyncBatchNorm(_BatchNorm):
     def _check_channels(self, input: Tensor, mask: Tensor | None) -> None:
         if input.size(1) == 0:
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
+        per_channel = (self.weight, self.bias, self.running_mean, self.running_var)
+        if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in per_channel):
+            return  # a lazy module converted before its first forward: F.batch_norm's error, as torch's
         # torch only notices a wrong channel count through a per-channel tensor that batch_norm is given
         # (running statistics only in eval or when tracked); so do we
         has_stats = self.running_mean is not None and (not self.training or self.track_running_stats)
         has_per_channel = self.weight is not None or self.bias is not None or has_stats
         if has_per_channel and input.size(1) != self.num_features:
-            # what torch's batch_norm checks before it meets the channels, with its exception types
-            if self.training and mask is None:
+            # what torch's batch_norm checks before it meets the channels, with its exception types: batch
+            # statistics in training, and in eval when there are no running statistics
+            bn_training = self.training or (self.running_mean is None and self.running_var is None)
+            if bn_training and mask is None:
                 torch.nn.functional._verify_batch_size(input.size())
-            check_eps(self.eps, self.training)
+            check_eps(self.eps, bn_training)
             raise RuntimeError(
                 f"SyncBatchNorm: expected input with {self.num_features} channels in dim 1 (num_features), "
                 f"got {input.size(1)} (input of shape {list(input.shape)})"
@@ -189,11 +194,11 @@ class SyncBatchNorm(_BatchNorm):
 
     def _normalize(self, input: Tensor, mask: Tensor | None) -> Tensor:
         self._check_input_dim(input)
+        if self.training and self.track_running_stats and self.num_batches_tracked is None:
+            raise AssertionError("num_batches_tracked must not be None")  # torch.nn.SyncBatchNorm's check
         self._check_channels(input, mask)
         # torch's logic, except that num_batches_tracked moves back when the step fails
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is None:
-            raise AssertionError("num_batches_tracked must not be None")  # torch.nn.SyncBatchNorm's check
         tracking = self.training and self.track_running_stats
         if tracking and self.momentum is None:
             factor = 1.0 / (float(self.num_batches_tracked) + 1.0)

@@ -100,10 +100,10 @@ def sync_batch_norm(
         for name, stat in (("running_mean", running_mean), ("running_var", running_var)):
             if stat is None:
                 raise RuntimeError(f"{name} must be defined in evaluation mode")
-    check_eps(eps, training)
     group = sync_group(process_group) if training and sync else None
-    if group is None and mask is None:
+    if group is None and mask is None:  # (which checks eps itself, after the batch's size)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    check_eps(eps, training)
     _check_as_torch(input, running_mean, running_var, weight, bias, training)
     if needs_autograd_ops(input, weight, bias):
         if group is not None:
