@@ -786,3 +786,43 @@ def test_gru_given_proj_size_positionally_raises_as_torch(hx_size):
             module(torch.randn(5, 3, 4), hx)
         said.append(str(caught.value))
     assert said[1] == said[0]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("GRU", {}),
+        ("GRU", {"bidirectional": True, "num_layers": 2}),
+        ("LSTM", {}),
+        ("LSTM", {"proj_size": 2, "bidirectional": True}),
+    ],
+    ids=["gru", "gru-bi-L2", "lstm", "lstm-proj-bi"],
+)
+def test_flop_counter_counts_the_matrix_products_as_torchs(name, kwargs, packed):
+    """torch.utils.flop_counter.FlopCounterMode counted nothing in tandem's layers (a custom op is one call
+    to it). The forward's count is torch's native layer's (float64: torch runs its native cell); the
+    backward's is torch's plus the first step's state-gradient products, which tandem computes (h_0's
+    gradient) and torch's autograd skips for an h_0 that needs none."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counts = []
+    for lib in (torch.nn, tandem.nn):
+        torch.manual_seed(0)
+        module = getattr(lib, name)(3, 5, dtype=torch.float64, **kwargs)
+        x = torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True)
+        if packed:
+            x = torch.nn.utils.rnn.pack_padded_sequence(x, [4, 3])
+        with FlopCounterMode(display=False) as forward:
+            out, _ = module(x)
+        with FlopCounterMode(display=False) as backward:
+            (out if isinstance(out, torch.Tensor) else out.data).sum().backward()
+        counts.append((forward.get_total_flops(), backward.get_total_flops()))
+    (torch_fwd, torch_bwd), (ours_fwd, ours_bwd) = counts
+    assert ours_fwd == torch_fwd > 0
+    layers, directions = kwargs.get("num_layers", 1), 1 + kwargs.get("bidirectional", False)
+    gates, out_size = (3 if name == "GRU" else 4) * 5, kwargs.get("proj_size", 5)
+    first_steps = 2 * layers * directions * 2 * gates * out_size  # batch 2
+    assert torch_bwd < ours_bwd <= torch_bwd + first_steps
+    if not packed:  # (torch's packed reverse direction computes some of them)
+        assert ours_bwd == torch_bwd + first_steps

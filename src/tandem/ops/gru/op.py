@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 
 from tandem._backend import as_given, use_triton
+from tandem.ops._flops import gru_bwd_flops, gru_fwd_flops
+from tandem.ops._flops import register as register_flop_formula
 from tandem.ops._recompute import grads_through, wants_graph
 from tandem.ops.gru.reference import gru_bwd_ref, gru_fwd_ref, gru_layer_autograd
 
@@ -145,3 +147,7 @@ def _triton_bwd(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, 
     from tandem.ops.gru.triton import gru_bwd_triton
 
     return gru_bwd_triton(dy, dh_n, x, batch_sizes, h0, w_ih, w_hh, y, gates, hn, states, has_bias, need_dx)
+
+
+register_flop_formula(torch.ops.tandem.gru_fwd, gru_fwd_flops)
+register_flop_formula(torch.ops.tandem.gru_bwd, gru_bwd_flops)

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 
 from tandem._backend import as_given, use_triton
+from tandem.ops._flops import lstm_bwd_flops, lstm_fwd_flops
+from tandem.ops._flops import register as register_flop_formula
 from tandem.ops._recompute import grads_through, wants_graph
 from tandem.ops.lstm.reference import lstm_bwd_ref, lstm_fwd_ref, lstm_layer_autograd
 
@@ -208,3 +210,7 @@ def _backward(ctx, dy, dh_n, dc_n, *_):
 
 
 lstm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+register_flop_formula(torch.ops.tandem.lstm_fwd, lstm_fwd_flops)
+register_flop_formula(torch.ops.tandem.lstm_bwd, lstm_bwd_flops)
