@@ -559,3 +559,17 @@ def test_packed_input_with_a_malformed_state_raises_as_torch(hx_kind, enforce_so
             cls(3, 4)(packed, hx[hx_kind])
         said.append((type(caught.value), str(caught.value)))
     assert said[1] == said[0]
+
+
+def test_importing_tandem_draws_nothing_from_torchs_generator():
+    """tandem asks torch at import whether it runs oneDNN on a packed batch of equal lengths: with an LSTM
+    of fixed weights, not a freshly initialised one, so a script seeded before ``import tandem`` draws the
+    numbers it drew without tandem."""
+    import subprocess
+    import sys
+
+    def first_draw(imports: str) -> str:
+        code = f"import torch; torch.manual_seed(0); {imports}; print(torch.rand(3).tolist())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+    assert first_draw("import tandem, tandem.nn") == first_draw("pass")
