@@ -300,6 +300,11 @@ class RNNLayers(torch.nn.RNNBase):
                 mini_batch = sorted_indices.shape[0]
             else:
                 mini_batch = int(batch_sizes[0])
+                if torch.compiler.is_compiling():
+                    # data to torch.compile (sorted input has no sorted_indices to take it from): a packed
+                    # batch holds a sequence, as eager's check of batch_sizes makes sure, which the trace
+                    # must be told for the tests of an empty batch (a fullgraph compile failed on them)
+                    torch._check(mini_batch > 0)
             return Rows(
                 data, batch_sizes, mini_batch, True, True, 1, sorted_indices, unsorted_indices, data, given
             )
