@@ -42,6 +42,36 @@ def test_unreadable_files_are_checkpoint_errors_naming_the_file(tmp_path, saved,
     assert "\n" not in message
 
 
+def test_bytes_changed_in_place_are_a_corrupt_checkpoint(tmp_path):
+    """Bytes of a weight overwritten (a bad disk, a copy gone wrong): torch.load reads them as numbers, and
+    a NaN weight transcribed every file to nothing with exit status 0. The archive's checksums tell."""
+    path = tmp_path / "checkpoint.pt"
+    weights = torch.ones(1000)
+    save_checkpoint(
+        {"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": {"w": weights}}, path
+    )
+    data = bytearray(path.read_bytes())
+    at = data.find(weights.numpy().tobytes()) + 2000
+    data[at : at + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError, match=r": a corrupt checkpoint \(.*/data/0: its checksum does not match\)$"
+    ):
+        load_checkpoint(path)
+
+
+def test_a_model_with_non_finite_weights_is_refused_naming_the_weight(tmp_path):
+    """Training never writes one; a checkpoint that holds one (edited, or written by other code) made every
+    transcript empty."""
+    path = tmp_path / "checkpoint.pt"
+    model = {"w": torch.ones(3), "head.bias": torch.tensor([0.0, float("nan")]), "steps": torch.tensor(3)}
+    save_checkpoint({"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": model}, path)
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint.pt: the model's head.bias holds NaN or infinite values$"
+    ):
+        load_checkpoint(path)
+
+
 def test_a_pipe_or_device_is_named_as_such_not_as_missing(tmp_path):
     """``--model /dev/null`` or ``<(cat checkpoint.pt)`` exist: "no such file" sent people looking."""
     import os

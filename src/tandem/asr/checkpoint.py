@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         )
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
+    damaged = _damaged_member(path)
+    if damaged is not None:
+        # torch.load reads bytes changed in place (a bad disk, a copy gone wrong) as numbers, without a
+        # word: a weight of NaN transcribed every file to nothing
+        raise CheckpointError(f"{path}: a corrupt checkpoint ({damaged}: its checksum does not match)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
@@ -145,7 +151,22 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
         raise CheckpointError(f"{path}: incomplete checkpoint, missing {missing}")
+    model = state["model"]
+    for name, tensor in model.items() if isinstance(model, dict) else ():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not tensor.isfinite().all():
+            # training never writes one (a step that makes one stops the run before its checkpoint)
+            raise CheckpointError(f"{path}: the model's {name} holds NaN or infinite values")
     return state
+
+
+def _damaged_member(path: Path) -> str | None:
+    """The first member of a checkpoint (torch.save's zip archive) whose CRC-32 does not match its bytes,
+    or None (also for a file that is no zip archive: torch.load judges it)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return None
 
 
 class CheckpointStore:
