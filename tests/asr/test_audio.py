@@ -284,14 +284,49 @@ def test_reads_named_pipes_and_names_that_are_not_utf8(tmp_path):
 
 
 def test_the_silence_rule_is_one_16_bit_step(tmp_path):
-    """Every sample at most 2^-15 in magnitude is silence; two steps is a (very quiet) recording."""
+    """Samples within 2^-15 of the middle of their range are silence; two steps is a (very quiet)
+    recording."""
     assert SILENCE_PEAK == 2.0**-15
     quiet = tmp_path / "quiet.wav"
-    sf.write(quiet, _silence(8000, 2 * 2.0**-15), 8000, subtype="PCM_16")
+    samples = _silence(8000, 2 * 2.0**-15)
+    samples[3::7] = -2 * 2.0**-15
+    sf.write(quiet, samples, 8000, subtype="PCM_16")
     waveform, _ = read_audio(quiet)
     assert float(waveform.abs().max()) == 2 * 2.0**-15
     with pytest.raises(AudioError, match="^<stdin>: empty input"):
         read_audio(io.BytesIO(b""), name="<stdin>")
+
+
+@pytest.mark.parametrize("offset", [0.05, -0.3])
+def test_a_constant_offset_with_one_step_of_dither_is_silence(tmp_path, offset):
+    """A DC bias with nothing on it but a step of dither: its peak is the offset, far above one step,
+    and it was transcribed as words ("seven six"); a recording on the same offset is read."""
+    rng = np.random.default_rng(1)
+    dc = tmp_path / "dc.wav"
+    sf.write(dc, offset + rng.integers(-1, 1, 8000) * 2.0**-15, 8000, subtype="PCM_16")
+    with pytest.raises(
+        AudioError, match=rf"silent recording \(samples within 1.53e-05 of {offset - 2**-16:.3g}"
+    ):
+        read_audio(dc)
+    speech = tmp_path / "speech.wav"
+    sf.write(speech, offset + 0.1 * np.sin(np.arange(8000) * 0.3), 8000, subtype="PCM_16")
+    assert read_audio(speech)[0].shape == (1, 8000)
+
+
+@pytest.mark.parametrize("subtype", ["ALAW", "ULAW"])
+def test_g711_silence_is_one_of_its_steps_near_zero(tmp_path, subtype):
+    """G.711's smallest steps are 2^-12 (A-law has no code for 0: its silence decodes to +-2^-12): zeros
+    or a 16-bit step of dither written as A-law or mu-law were transcribed as words; a quiet recording
+    of a few steps is read."""
+    rng = np.random.default_rng(2)
+    for name, samples in (("zeros", np.zeros(8000)), ("dither", rng.integers(-1, 2, 8000) * 2.0**-15)):
+        path = tmp_path / f"{name}.wav"
+        sf.write(path, samples, 8000, subtype=subtype)
+        with pytest.raises(AudioError, match="silent recording .* one step of 13-bit audio"):
+            read_audio(path)
+    quiet = tmp_path / "quiet.wav"
+    sf.write(quiet, 0.002 * np.sin(np.arange(8000) * 0.3), 8000, subtype=subtype)
+    assert read_audio(quiet)[0].shape == (1, 8000)
 
 
 def test_an_8_bit_files_silence_is_one_step_of_its_own(tmp_path):
@@ -439,3 +474,33 @@ def test_rates_below_1_khz_and_boolean_rates_are_refused():
     for rate in (np.True_, torch.tensor(True), np.array(True)):
         with pytest.raises(ValueError, match="expected a positive integer sample_rate"):
             to_model_input(x, rate, 8000)
+
+
+@pytest.mark.parametrize("subtype", ["GSM610", "NMS_ADPCM_16"])
+def test_codecs_libsndfile_cannot_seek_in_are_read(tmp_path, subtype):
+    """GSM 6.10 and NMS ADPCM (WAV): libsndfile reads them but cannot seek in them, and soundfile then
+    refuses "to the end" (frames=-1); they were refused as "not a readable audio file". A segment from a
+    start reads the samples a whole read has there."""
+    path = tmp_path / "codec.wav"
+    sf.write(path, 0.3 * np.sin(np.arange(8000) * 0.05), 8000, subtype=subtype, format="WAV")
+    whole, rate = read_audio(path)
+    assert rate == 8000 and whole.shape[1] >= 7900
+    part, _ = read_audio(path, start=1000, frames=500)
+    torch.testing.assert_close(part, whole[:, 1000:1500])
+
+
+def test_a_device_an_empty_file_and_an_endless_stream_are_refused(tmp_path, monkeypatch):
+    """/dev/zero was read into memory without end (0.5 GB/s, nothing printed); an empty regular file said
+    "Format not recognised" where an empty stream says "empty input"; a stream is read up to
+    STREAM_LIMIT_BYTES."""
+    import tandem.asr.audio as audio
+
+    with pytest.raises(AudioError, match="^/dev/zero: a device, not a recording$"):
+        read_audio("/dev/zero")
+    empty = tmp_path / "empty.wav"
+    empty.touch()
+    with pytest.raises(AudioError, match=r"empty.wav: empty input \(0 bytes\)$"):
+        read_audio(empty)
+    monkeypatch.setattr(audio, "STREAM_LIMIT_BYTES", 1000)
+    with pytest.raises(AudioError, match="^<stdin>: more than 0 MiB from a stream"):
+        read_audio(io.BytesIO(b"\0" * 1001), name="<stdin>")

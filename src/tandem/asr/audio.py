@@ -132,6 +132,10 @@ def read_audio(
                 raise AudioError(f"{label}: no such file")
             if path.is_dir():
                 raise AudioError(f"{label}: not a file (a directory)")
+            if path.is_char_device() or path.is_block_device():
+                raise AudioError(f"{label}: a device, not a recording")
+            if path.is_file() and path.stat().st_size == 0:
+                raise AudioError(f"{label}: empty input (0 bytes)")
             # opened here, so that any name the system takes works (libsndfile wants UTF-8 paths); a
             # named pipe (<(cmd), /dev/stdin) is read to its end, as it cannot seek
             with open(path, "rb") as f:
@@ -146,10 +150,15 @@ def read_audio(
     return waveform, int(rate)
 
 
+# The most a stream (a pipe, standard input) is read into memory: hours of CD-quality audio; an endless
+# one (cat /dev/zero) grew without bound and printed nothing
+STREAM_LIMIT_BYTES = 2**30
+
+
 def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
-    """A stream read to its end (libsndfile seeks; pipes cannot)."""
+    """A stream read to its end (libsndfile seeks; pipes cannot), at most :data:`STREAM_LIMIT_BYTES`."""
     try:
-        data = stream.read()
+        data = stream.read(STREAM_LIMIT_BYTES + 1)
     except UnicodeDecodeError:
         data = ""
     except ValueError as e:  # a closed file
@@ -158,6 +167,11 @@ def _whole(stream: BinaryIO, label: str) -> io.BytesIO:
         raise AudioError(f"{label}: a file opened in text mode; open it in binary mode ('rb')")
     if not data:
         raise AudioError(f"{label}: empty input (0 bytes)")
+    if len(data) > STREAM_LIMIT_BYTES:
+        raise AudioError(
+            f"{label}: more than {STREAM_LIMIT_BYTES >> 20} MiB from a stream (an endless one?); expected a "
+            "recording: give its file, which is read in place"
+        )
     return io.BytesIO(data)
 
 
@@ -330,8 +344,16 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
     try:
         with soundfile.SoundFile(f) as sound:
             silence = _silence_peak(sound.subtype)
-            if start:
-                sound.seek(start)
+            if sound.seekable():
+                if start:
+                    sound.seek(start)
+            else:
+                # codecs libsndfile cannot seek in (GSM 6.10, G.721/G.723, NMS ADPCM) take neither a seek
+                # nor "to the end" (-1): the frames are counted, and those before start read and dropped
+                if frames < 0:
+                    frames = max(sound.frames - start, 0)
+                if start:
+                    sound.read(start, dtype="float32", always_2d=True)
             samples = sound.read(frames, dtype="float32", always_2d=True)
             return samples, sound.samplerate, silence
     except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
@@ -340,9 +362,14 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
 
 
 def _silence_peak(subtype: str) -> float:
-    """One step of an 8-bit file's samples (2^-7: its last bit's dither is silence as 16-bit's is), else
-    :data:`SILENCE_PEAK`."""
-    return 2.0**-7 if subtype in ("PCM_U8", "PCM_S8") else SILENCE_PEAK
+    """One step of an 8-bit file's samples (2^-7: its last bit's dither is silence as 16-bit's is); of
+    G.711's near zero (A-law and mu-law: 2^-12, 13-bit steps there, and A-law has no zero: its silence
+    decodes to +-2^-12); else :data:`SILENCE_PEAK`."""
+    if subtype in ("PCM_U8", "PCM_S8", "DPCM_8", "DWVW_8"):
+        return 2.0**-7
+    if subtype in ("ALAW", "ULAW"):
+        return 2.0**-12
+    return SILENCE_PEAK
 
 
 def _check_samples(
@@ -367,21 +394,34 @@ def _check_samples(
         )
     if silent_ok:
         return peak
-    loudest = float(channels.abs().max()) if channels is not None and channels.shape[0] > 1 else 0.0
+    # judged by half the range the samples span: a constant offset (a DC bias) with nothing but a step of
+    # dither on it is silence too, as is A-law's silence, which decodes to +-2^-12 (no code for 0)
+    swing = _half_range(waveform)
+    loudest = 0.0
+    if channels is not None and channels.shape[0] > 1:
+        loudest = float(max(_half_range(c) for c in channels))
     # channels that (nearly) cancel: the mix is what is left of one voice in opposite phase (a mis-wired
     # microphone), not the recording (a silent channel leaves half the other, -6 dB)
-    if peak <= silence or peak < loudest * CANCELLED:
+    if swing <= silence or swing < loudest * CANCELLED:
         if loudest > silence:  # (a NaN does not compare: the mix would have held it)
             raise AudioError(
                 f"{label}: its {channels.shape[0]} channels cancel out when mixed to mono (the loudest "
-                f"channel's peak is {loudest:.3g}, the mix's {peak:.3g}); pass one channel"
+                f"channel's peak is {loudest:.3g}, the mix's {swing:.3g}); pass one channel"
             )
-        bits = 16 if silence == SILENCE_PEAK else 8
+        bits = round(1 - math.log2(silence))
+        amplitude = f"peak amplitude {peak:.3g}"
+        if swing < peak:
+            amplitude = f"samples within {swing:.3g} of {float(waveform.max()) - swing:.3g}"
         raise AudioError(
-            f"{label}: silent recording (peak amplitude {peak:.3g}, not above {silence:.3g}, one step "
-            f"of {bits}-bit audio); nothing to transcribe"
+            f"{label}: silent recording ({amplitude}, not above {silence:.3g}, one step of {bits}-bit "
+            "audio); nothing to transcribe"
         )
     return peak
+
+
+def _half_range(samples: Tensor) -> float:
+    """Half the range ``samples`` span (their amplitude about the middle of that range)."""
+    return (float(samples.max()) - float(samples.min())) / 2
 
 
 def to_model_input(
