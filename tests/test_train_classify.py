@@ -263,7 +263,7 @@ def test_a_sigterm_stops_the_run_at_once_with_status_130(tmp_path, to):
     from asr._cli import finish, processes_mentioning, start, wait_for
 
     out = tmp_path / "run"
-    args = ("--task", "classify", "--nproc", "2", "--epochs", "100000", *SMALL, "--out", str(out))
+    args = ("--task", "classify", "--nproc", "2", "--epochs", "10000", *SMALL, "--out", str(out))
     proc = start(*args, "--master-port", free_port(), log=tmp_path / "log")
     try:
         wait_for(out / "checkpoint.pt", proc)

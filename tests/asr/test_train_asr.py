@@ -116,7 +116,21 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
         (("--timeout", "1e300"), "--timeout: expected seconds from 1 to 1e+07, got '1e300'"),
         (("--timeout", "1e-9"), "--timeout: expected seconds from 1 to 1e+07, got '1e-9'"),
         (("--threads", "99999999999"), "--threads: expected a thread count from 1 to 4096, got 99999999999"),
-        (("--rdzv-timeout", "0.5"), "--rdzv-timeout: expected a positive integer, got '0.5'"),
+        (("--rdzv-timeout", "0.5"), "--rdzv-timeout: expected whole seconds from 1 to 10000000, got '0.5'"),
+        # no upper bound: the launcher counted a model of 10^24 layers for ever, forked loader workers
+        # without end, planned every epoch's batches before the first step, overflowed torchrun's timedelta
+        (("--layers", str(10**24)), f"--layers: expected a number of layers from 1 to 1000, got {10**24}"),
+        (
+            ("--workers", "100000"),
+            "--workers: expected a number of worker processes from 0 to 256, got 100000",
+        ),
+        (("--epochs", str(10**9)), "--epochs: expected a number of epochs from 1 to 10000, got 1000000000"),
+        (("--rdzv-timeout", str(10**24)), "--rdzv-timeout: expected whole seconds from 1 to 10000000, got 1"),
+        # the classifier's size was not checked: an allocation traceback after the launch
+        (
+            ("--task", "classify", "--hidden", "100000000"),
+            "--hidden 100000000, --layers 2: the classifier of ",
+        ),
         (("--master-port", "0"), "--master-port: expected a port from 1 to 65535, got 0"),
         # the blank's sign was dropped without a word; upper case can never occur in a transcript
         (("--alphabet", "_"), "--alphabet: '_' stands for the CTC blank and cannot be a character"),
@@ -144,7 +158,7 @@ def test_a_worker_of_a_torchrun_started_by_hand_checks_the_options_too(tmp_path)
     for args, message in (
         (("--warmup-steps", "-500"), "--warmup-steps: expected a number >= 0, got -500"),
         (("--test-speaker", "nobody"), "--test-speaker: expected one of george"),
-        (("--workers", "-2"), "--workers: expected a number >= 0, got -2"),
+        (("--workers", "-2"), "--workers: expected a number of worker processes from 0 to 256, got -2"),
         (("--task", "classify", "--workers", "1"), "--workers: only for --task asr"),
     ):
         torchrun = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}

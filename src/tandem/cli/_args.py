@@ -8,6 +8,8 @@ from pathlib import Path
 
 __all__ = [
     "MAX_THREADS",
+    "epochs",
+    "layers",
     "nonempty_path",
     "port",
     "positive_int",
@@ -15,6 +17,8 @@ __all__ = [
     "seconds",
     "seed",
     "threads",
+    "wait_seconds",
+    "workers",
 ]
 
 # More threads than this is a typo (torch takes a C int; 4096 is beyond any machine's cores)
@@ -57,6 +61,33 @@ def seed(text: str) -> int:
 def threads(text: str) -> int:
     """A thread count, 1 to :data:`MAX_THREADS`."""
     return _int_in(text, 1, MAX_THREADS, "a thread count")
+
+
+# Bounds past which a value is a typo, not a run: a billion layers made the launcher count a model for
+# ever, a billion loader workers forked without end, a billion epochs planned every epoch's batches first
+MAX_LAYERS = 1000
+MAX_EPOCHS = 10_000
+MAX_WORKERS = 256
+
+
+def layers(text: str) -> int:
+    """A number of recurrent layers, 1 to :data:`MAX_LAYERS`."""
+    return _int_in(text, 1, MAX_LAYERS, "a number of layers")
+
+
+def epochs(text: str) -> int:
+    """A number of epochs, 1 to :data:`MAX_EPOCHS`."""
+    return _int_in(text, 1, MAX_EPOCHS, "a number of epochs")
+
+
+def workers(text: str) -> int:
+    """A number of data-loading worker processes, 0 to :data:`MAX_WORKERS`."""
+    return _int_in(text, 0, MAX_WORKERS, "a number of worker processes")
+
+
+def wait_seconds(text: str) -> int:
+    """A whole number of seconds to wait, 1 to :data:`MAX_SECONDS` (beyond, a timedelta overflows)."""
+    return _int_in(text, 1, int(MAX_SECONDS), "whole seconds")
 
 
 def positive_float(text: str) -> float:

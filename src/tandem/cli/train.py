@@ -28,8 +28,21 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from tandem.cli._args import nonempty_path, port, positive_float, positive_int, seconds, seed, threads
+from tandem.cli._args import (
+    epochs,
+    layers,
+    nonempty_path,
+    port,
+    positive_float,
+    positive_int,
+    seconds,
+    seed,
+    threads,
+    wait_seconds,
+    workers,
+)
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "DEFAULTS"]
 
@@ -71,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hidden", type=positive_int, help="hidden size per direction (default: asr 128, classify 64)"
     )
-    parser.add_argument("--layers", type=positive_int, help="recurrent layers (default: asr 3, classify 2)")
-    parser.add_argument("--epochs", type=positive_int, help="epochs in total (default: asr 48, classify 20)")
+    parser.add_argument("--layers", type=layers, help="recurrent layers (default: asr 3, classify 2)")
+    parser.add_argument("--epochs", type=epochs, help="epochs in total (default: asr 48, classify 20)")
     parser.add_argument("--lr", type=positive_float, help="Adagrad learning rate (default: 0.05)")
     parser.add_argument(
         "--batch-size", type=positive_int, help="global batch, split over processes (default: 32)"
@@ -134,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     asr.add_argument(
         "--workers",
-        type=int,
+        type=workers,
         default=None,
         metavar="N",
         help="DataLoader processes per rank that read recordings and compute features ahead of the "
@@ -178,7 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     launch.add_argument(
         "--rdzv-timeout",
-        type=positive_int,
+        type=wait_seconds,
         default=300,
         metavar="S",
         help="multi-node: seconds to wait for every node to join, at the start and after a restart "
@@ -378,9 +391,7 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
             return f"--warmup-steps: expected a number >= 0, got {args.warmup_steps}"
         if args.checkpoint_every < 0:
             return f"--checkpoint-every: expected a number of steps >= 0, got {args.checkpoint_every}"
-        if args.workers is not None and args.workers < 0:
-            return f"--workers: expected a number >= 0, got {args.workers}"
-        return _check_alphabet(args.alphabet) or _check_model_size(args) or _check_manifests(args)
+        return _check_alphabet(args.alphabet) or _check_asr_model_size(args) or _check_manifests(args)
     if args.train_manifest or args.test_manifest or args.alphabet:
         return "--train-manifest, --test-manifest and --alphabet: only for --task asr"
     from tandem.data import JAPANESE_VOWELS, load_npz
@@ -402,29 +413,43 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
                 f"--data {args.data or JAPANESE_VOWELS}: {count} {what} sequence(s) for {world} processes; "
                 "expected at least one per process (--nproc x --nnodes)"
             )
-    return None
+    from tandem.models import SpeechClassifier
+
+    return _check_model_size(
+        args,
+        lambda: SpeechClassifier(data.num_features, data.num_classes, args.hidden, args.layers, args.cell),
+        f"--hidden {args.hidden}, --layers {args.layers}",
+        "the classifier",
+    )
 
 
 # Speech options besides those checked by name above (manifests, --alphabet, --test-speaker)
 _ASR_ONLY = ("augment", "warmup_steps", "checkpoint_every", "keep_checkpoints", "conv_channels", "workers")
 
 
-def _check_model_size(args: argparse.Namespace) -> str | None:
-    """Why the recognizer of these options cannot fit in this machine's memory, or None. Counted on the meta
-    device (nothing allocated): its weights, their gradients and Adagrad's state, three float32 copies per
-    process (a lower bound: activations left out), for this node's processes, against the memory available
-    now (Linux's MemAvailable; one GPU's memory per process on CUDA). A typo such as --hidden 100000000
-    ended in an allocation traceback after the launch."""
-    import torch
-
+def _check_asr_model_size(args: argparse.Namespace) -> str | None:
+    """:func:`_check_model_size` of the recognizer."""
     from tandem.asr.model import DeepSpeech2
 
     sizes = f"--hidden {args.hidden}, --layers {args.layers}, --conv-channels {args.conv_channels}"
+    return _check_model_size(args, lambda: DeepSpeech2(asr_config(args).model), sizes)
+
+
+def _check_model_size(
+    args: argparse.Namespace, build: Callable[[], Any], sizes: str, what: str = "a model"
+) -> str | None:
+    """Why the model ``build`` makes cannot fit in this machine's memory, or None. Counted on the meta
+    device (nothing allocated): its weights, their gradients and Adagrad's state, three float32 copies per
+    process (a lower bound: activations left out), for this node's processes, against the memory available
+    now (Linux's MemAvailable; one GPU's memory per process on CUDA). A typo such as --hidden 100000000
+    ended in an allocation traceback after the launch; ``sizes`` names the options that set it."""
+    import torch
+
     try:
         with torch.device("meta"):
-            count = sum(p.numel() for p in DeepSpeech2(asr_config(args).model).parameters())
+            count = sum(p.numel() for p in build().parameters())
     except (RuntimeError, ValueError, OverflowError, TypeError):  # a size past int64 (TypeError: past 2**62)
-        return f"{sizes}: a model too large to count (its sizes overflow)"
+        return f"{sizes}: {what} too large to count (its sizes overflow)"
     need = 3 * 4 * count
     if _gpus(args.device):
         per, have, where = 1, torch.cuda.get_device_properties(0).total_memory, "one GPU has"
@@ -434,7 +459,7 @@ def _check_model_size(args: argparse.Namespace) -> str | None:
     if have is None or per * need <= have:
         return None
     return (
-        f"{sizes}: a model of {count:.3g} parameters needs at least {need / 2**30:.3g} GiB per process "
+        f"{sizes}: {what} of {count:.3g} parameters needs at least {need / 2**30:.3g} GiB per process "
         f"(weights, gradients and Adagrad's state in float32), {per * need / 2**30:.3g} GiB for "
         f"{per} process(es); {where} {have / 2**30:.3g} GiB available"
     )
