@@ -373,6 +373,35 @@ def test_one_sigterm_delivered_twice_to_the_launcher_is_one_request(monkeypatch)
     assert person.proc.kills == 1
 
 
+def test_a_signal_before_the_ranks_exist_reaches_each_as_it_starts(monkeypatch):
+    """Ctrl-C in the first seconds, before torchrun had started a rank: the launcher said "stopping after
+    the current step", passed the signal to no one, and the run trained to its end with exit status 0.
+    Now each rank that appears gets it (a second Ctrl-C still kills everything)."""
+    from tandem.cli import train as cli_train
+
+    class Proc:
+        pid, kills = 4242, 0
+
+        def kill(self):
+            self.kills += 1
+
+    ranks: list[int] = []
+    sent = []
+    monkeypatch.setattr(cli_train, "_children", lambda pid: list(ranks))
+    monkeypatch.setattr(cli_train.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    handler = cli_train._LaunchSignals(Proc(), ranks=2)
+    handler(signal.SIGINT, None)
+    handler.pass_on_pending()
+    assert sent == [] and handler.pending == signal.SIGINT
+    ranks.append(5000)
+    handler.pass_on_pending()
+    ranks.append(5001)
+    handler.pass_on_pending()
+    handler.pass_on_pending()
+    assert sent == [(5000, signal.SIGINT), (5001, signal.SIGINT)] and handler.pending is None
+    assert handler.proc.kills == 0
+
+
 @pytest.mark.parametrize("verdict, expected", [("2", 2), ("130", 130), (None, 0)])
 def test_the_ranks_ending_wins_over_a_signal_that_came_with_it(monkeypatch, tmp_path, verdict, expected):
     """A SIGTERM reached the launcher while the ranks ended for a recording they could not read (their

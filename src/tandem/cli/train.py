@@ -680,7 +680,7 @@ class _LaunchSignals:
     first one delivered twice (systemd, Slurm and `timeout` send it to the process group and forward it
     too), as the workers take it. Ctrl-C twice is a person's second request."""
 
-    def __init__(self, proc: subprocess.Popen, after_step: bool = True) -> None:
+    def __init__(self, proc: subprocess.Popen, after_step: bool = True, ranks: int = 1) -> None:
         from tandem.asr.interrupt import StopRequests
 
         self.proc = proc
@@ -690,6 +690,11 @@ class _LaunchSignals:
         self.received: list[int] = []
         self._first = 0.0
         self._same_within = StopRequests.SAME_REQUEST_S
+        # a first signal that came before torchrun had started this node's ``ranks``: passed on to each as
+        # it appears (:meth:`pass_on_pending`; it was lost, and the run trained to its end)
+        self.pending: int | None = None
+        self._ranks = ranks
+        self._signalled: set[int] = set()
 
     def __call__(self, signum: int, frame: object) -> None:
         if (
@@ -713,7 +718,21 @@ class _LaunchSignals:
             file=sys.stderr,
             flush=True,
         )
-        self._to_ranks(signum)
+        self.pending = signum
+        self.pass_on_pending()
+
+    def pass_on_pending(self) -> None:
+        """Send a first signal to the ranks torchrun has started since it came (a rank that is still
+        importing holds it, and stops after its first step), until every rank of this node has it."""
+        if self.pending is None or len(self.received) != 1:
+            return
+        for pid in _children(self.proc.pid):
+            if pid not in self._signalled:
+                self._signalled.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, self.pending)
+        if len(self._signalled) >= self._ranks:
+            self.pending = None
 
     def _to_ranks(self, signum: int) -> None:
         """Send ``signum`` to torchrun's children, this node's ranks."""
@@ -762,11 +781,16 @@ def _launch(args: argparse.Namespace) -> int:
             start_holding_stop_signals if args.task == "asr" else die_with_parent, os.getpid()
         ),
     )
-    on_signal = _LaunchSignals(proc, after_step=args.task == "asr")
+    on_signal = _LaunchSignals(proc, after_step=args.task == "asr", ranks=args.nproc)
     received = on_signal.received
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                on_signal.pass_on_pending()
         said = code == 0 and exit_file.exists()  # the ranks ended the run and said why (stderr)
         if said:
             text = exit_file.read_text().strip()
