@@ -279,3 +279,27 @@ def test_a_sigterm_stops_the_run_at_once_with_status_130(tmp_path, to):
     log = (tmp_path / "log").read_text()
     assert code == 130, log[-3000:]
     assert "done:" not in log and "SIGTERM: stopping at once" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_one_process_stopped_by_a_signal_says_so_with_status_130(tmp_path, sig):
+    """One process, no launcher: Ctrl-C printed a KeyboardInterrupt traceback, and a SIGTERM killed it
+    silently with status 143; it stops at once with one line and 130, as under the launcher, and the
+    checkpoint of its last finished epoch stays."""
+    import signal
+
+    from asr._cli import finish, start, wait_for
+
+    out = tmp_path / "run"
+    proc = start("--task", "classify", "--nproc", "1", "--epochs", "10000", *SMALL, "--out", str(out),
+                 log=tmp_path / "log")  # fmt: skip
+    try:
+        wait_for(out / "checkpoint.pt", proc)
+        proc.send_signal(getattr(signal, sig))
+        code = proc.wait(60)
+    finally:
+        finish(proc, out)
+    log = (tmp_path / "log").read_text()
+    assert code == 130 and f"tandem train: {sig}: stopping at once" in log, log[-3000:]
+    assert "Traceback" not in log and "done:" not in log
+    torch.load(out / "checkpoint.pt", weights_only=True)

@@ -639,11 +639,34 @@ def _check_worker_options(args: argparse.Namespace) -> str | None:
 def _train_or_launch(args: argparse.Namespace) -> int:
     """Train in this process (one process in all, no restarts asked for), or launch torchrun."""
     if args.nproc == 1 and args.nnodes == 1 and args.max_restarts is None:
+        if args.task != "asr":
+            return _classify_here(args)
         code = _work(args)
-        if code == 130 and args.task == "asr":  # stopped by a signal, after a checkpoint
+        if code == 130:  # stopped by a signal, after a checkpoint
             print(f"tandem train: stopped; to continue: {_resume_command(args)}", file=sys.stderr, flush=True)
         return code
     return _launch(args)
+
+
+def _classify_here(args: argparse.Namespace) -> int:
+    """The classifier in this one process. Its loop takes no stop request: a SIGINT or SIGTERM ends it at once
+    (the checkpoint of its last finished epoch stays), with one line and status 130, as the launcher ends
+    its ranks (a KeyboardInterrupt traceback for Ctrl-C; SIGTERM's death, status 143, without a word)."""
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return _work(args)
+    except KeyboardInterrupt:
+        name = signal.Signals(received[0]).name if received else "SIGINT"
+        print(f"tandem train: {name}: stopping at once", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _torchrun_command(args: argparse.Namespace) -> list[str]:
