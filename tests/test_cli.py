@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -89,6 +90,40 @@ def test_bench_table_csv_and_plot(fake_op, tmp_path, capsys):
     assert lines[0] == ",".join(runner.CSV_COLUMNS) and len(lines) == 5
     if has_mpl:
         assert png_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_outputs_that_cannot_be_written_are_one_line_each(fake_op, tmp_path, capsys, monkeypatch):
+    """Standard output that fails (``> /dev/full``) and a CSV that cannot be written after the timing (a disk
+    that filled): tracebacks after the measurements; now one line each and status 1, the rest written."""
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    csv_path = tmp_path / "b.csv"
+    monkeypatch.setattr(runner, "write_csv", full)
+    argv = [
+        "bench",
+        "--op",
+        fake_op,
+        "--quick",
+        "--threads",
+        "1",
+        "--min-time",
+        "0.02",
+        "--csv",
+        str(csv_path),
+    ]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "speedup" in out and f"tandem bench: error: --csv {csv_path}: not written (No space left" in err
+    monkeypatch.undo()
+    done = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m tandem bench --list > /dev/full", shell=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "tandem bench: error: writing to standard output: No space left on device"
 
 
 def test_bench_quick(fake_op, capsys):

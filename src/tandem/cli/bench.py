@@ -17,6 +17,7 @@ import datetime
 import os
 import shlex
 import sys
+from collections.abc import Callable
 
 from tandem.bench import runner
 from tandem.cli._args import nonempty_path, positive_float, threads
@@ -88,11 +89,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             ignored = [f"--{k.replace('_', '-')}" for k in ("csv", "plot", "min_time") if getattr(args, k)]
             if ignored:
                 parser.error(f"--list times nothing: {', '.join(ignored)} would have no effect")
-            try:
-                print(_list(args.ops), flush=True)
-            except BrokenPipeError:  # `tandem bench --list | head`: the reader left
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
+            return _to_stdout(lambda: print(_list(args.ops), flush=True))
         # Output files are checked before the (minute-long) timing, not after it.
         if args.csv and args.plot and os.path.realpath(args.csv) == os.path.realpath(args.plot):
             parser.error(
@@ -110,7 +107,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(e))
 
     first = rows[0] if rows else None
-    if first is not None:
+    if first is None:  # before a file is written
+        ops = ", ".join(args.ops) if args.ops else "every op"
+        parser.error(
+            f"--op {ops}: nothing to time on {args.device or 'this device'}"
+            f"{' with --quick' if args.quick else ''} (no shape of theirs runs there; --list shows them)"
+        )
+
+    def table() -> None:
         print(
             f"tandem bench on {first.device}, torch {first.torch_version}, commit {first.commit}, "
             f"{started:%Y-%m-%d %H:%M %Z}"
@@ -124,18 +128,40 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if summarize is not None:
                 print()
                 print(summarize([r for r in rows if r.op == op]))
-    else:  # before a file is written
-        ops = ", ".join(args.ops) if args.ops else "every op"
-        parser.error(
-            f"--op {ops}: nothing to time on {args.device or 'this device'}"
-            f"{' with --quick' if args.quick else ''} (no shape of theirs runs there; --list shows them)"
-        )
-    if args.csv:
-        runner.write_csv(rows, args.csv)
-        print(f"wrote {len(rows)} rows to {args.csv}", file=sys.stderr)
-    if args.plot and rows:
-        runner.plot_speedups(rows, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+        sys.stdout.flush()
+
+    code = _to_stdout(table)
+    # the files after the table, each on its own: a disk that fills (checked writable before the timing)
+    # costs that file alone, with one line, not the measurements in a traceback
+    for option, path, write in (
+        ("--csv", args.csv, lambda: runner.write_csv(rows, args.csv)),
+        ("--plot", args.plot, lambda: runner.plot_speedups(rows, args.plot)),
+    ):
+        if not path:
+            continue
+        try:
+            write()
+        except OSError as e:
+            print(f"tandem bench: error: {option} {path}: not written ({e.strerror or e})", file=sys.stderr)
+            code = 1
+        else:
+            print(
+                f"wrote {len(rows)} rows to {path}" if option == "--csv" else f"wrote {path}", file=sys.stderr
+            )
+    return code
+
+
+def _to_stdout(write: Callable[[], None]) -> int:
+    """Run ``write`` (printing to standard output): 0, or 1 with one line on stderr where standard output
+    fails (``> /dev/full``: a traceback); a reader that leaves early (``| head``) ends it quietly."""
+    try:
+        write()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as e:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit)
+        print(f"tandem bench: error: writing to standard output: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 
