@@ -25,8 +25,13 @@ print(json.dumps([before, got, sorted(os.sched_getaffinity(0))]))
 
 def _child(script: str, **env: str) -> list:
     """What ``script``, run in a fresh process with this checkout's tandem and ``env`` (LOCAL_RANK and
-    LOCAL_WORLD_SIZE only as given), prints as JSON on its last line."""
-    child_env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    LOCAL_WORLD_SIZE only as given, with WORLD_SIZE as torchrun sets it on one node: tandem reads them only
+    in a process torchrun started), prints as JSON on its last line."""
+    child_env = {
+        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
+    }
+    if "LOCAL_WORLD_SIZE" in env:
+        child_env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"]
     child_env.update(env, PYTHONPATH=os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH")))))
     done = subprocess.run(
         [sys.executable, "-c", script], env=child_env, capture_output=True, text=True, timeout=120, check=True
@@ -102,6 +107,7 @@ from tandem.asr.training import Run, TrainConfig, digit_sets
 
 before = sorted(os.sched_getaffinity(0))
 pin_to_cores(1)
+os.environ.pop("WORLD_SIZE")  # rank 1 of 2 in its cores; a group of one for the run
 config = TrainConfig(model=ModelConfig(hidden=8, layers=1, conv_channels=2), epochs=1)
 run = Run(config, Group(torch.device("cpu"), 10), digit_sets(load_spoken_digits()))
 with warnings.catch_warnings(record=True) as seen:

@@ -167,6 +167,33 @@ def test_a_worker_of_a_torchrun_started_by_hand_checks_the_options_too(tmp_path)
         assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        ({"WORLD_SIZE": "abc"}, "environment variable WORLD_SIZE: expected a positive integer"),
+        ({"WORLD_SIZE": "2"}, "environment variable RANK: not set, where WORLD_SIZE is (2)"),
+        ({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE: expected an integer"),
+    ],
+    ids=["world-abc", "world-without-rank", "local-world-0"],
+)
+def test_torchruns_variables_that_do_not_fit_are_one_error(tmp_path, environment, message):
+    """A WORLD_SIZE left over from a job script, or mistyped: tracebacks deep in the process group's start
+    (a ValueError, env://'s missing RANK, a ZeroDivisionError), some after --out was made."""
+    out = tmp_path / "out"
+    done = tandem("--task", "classify", "--epochs", "1", "--out", str(out), timeout=60, extra_env=environment)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+def test_a_single_process_ignores_torchruns_local_variables_left_in_its_environment(tmp_path):
+    """LOCAL_WORLD_SIZE without WORLD_SIZE is no torchrun's: it was read (a ValueError for 'abc')."""
+    out = tmp_path / "out"
+    environment = {"LOCAL_WORLD_SIZE": "abc", "LOCAL_RANK": "x"}
+    done = tandem("--task", "classify", "--nproc", "1", "--epochs", "1", *("--hidden", "8", "--layers", "1"),
+                  "--out", str(out), timeout=120, extra_env=environment)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_device_cuda_without_cuda_is_refused_before_launching(tmp_path):
     out = tmp_path / "out"

@@ -17,19 +17,25 @@ from tandem.ops.syncbn import sum_over_ranks
 __all__ = ["Group", "WorkerCores", "pick_device", "pin_to_cores", "rank_threads"]
 
 
+def torchrun_int(name: str, default: int) -> int:
+    """torchrun's ``name`` variable (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) in a process it started
+    (``WORLD_SIZE`` set), else ``default``: one left in the environment of a single process is not its."""
+    return int(os.environ.get(name, default)) if "WORLD_SIZE" in os.environ else default
+
+
 def pick_device(choice: str) -> torch.device:
     """``"cpu"``, ``"cuda"`` (this rank's GPU, by ``LOCAL_RANK``) or ``"auto"`` (CUDA when there is one)."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise SystemExit("tandem train: error: --device cuda: CUDA is not available")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", torchrun_int("LOCAL_RANK", 0))
     return torch.device("cpu")
 
 
 def rank_threads(threads: int | None) -> int:
     """``threads``, or by default this process's share of the machine's cores: the cores over the processes
     torchrun started on this node (``LOCAL_WORLD_SIZE``), at least one."""
-    return threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return threads or max(1, (os.cpu_count() or 1) // torchrun_int("LOCAL_WORLD_SIZE", 1))
 
 
 def pin_to_cores(threads: int) -> list[int] | None:
@@ -45,8 +51,8 @@ def pin_to_cores(threads: int) -> list[int] | None:
     :class:`WorkerCores` of the cores from before."""
     if not (hasattr(os, "sched_getaffinity") and hasattr(os, "sched_setaffinity")):
         return None
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = torchrun_int("LOCAL_RANK", 0)
+    local_world = torchrun_int("LOCAL_WORLD_SIZE", 1)
     cores = sorted(os.sched_getaffinity(0))
     if local_world < 2 or local_world * threads > len(cores):
         return None
@@ -97,7 +103,7 @@ class Group:
     def __init__(self, device: torch.device, timeout: float) -> None:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.local_world = torchrun_int("LOCAL_WORLD_SIZE", 1)
         self.device = device
         # how often the ranks meet while rank 0 works alone (see from_lead): well inside the timeout
         self.heartbeat = min(1.0, timeout / 10)

@@ -454,7 +454,9 @@ def _check_model_size(
     if _gpus(args.device):
         per, have, where = 1, torch.cuda.get_device_properties(0).total_memory, "one GPU has"
     else:
-        per = int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc))
+        from tandem.asr.distributed import torchrun_int
+
+        per = torchrun_int("LOCAL_WORLD_SIZE", args.nproc)  # this node's processes
         have, where = _memory_available(), "this machine has"
     if have is None or per * need <= have:
         return None
@@ -581,6 +583,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Validate everything, then train here (under torchrun, or one process) or launch torchrun."""
     args = _with_defaults(args)
     if "WORLD_SIZE" in os.environ:  # a torchrun worker
+        problem = _check_torchrun_environment()
+        if problem:
+            return _fail(parser, problem)
         if _OUT_HELD_ENV not in os.environ:
             # started by torchrun directly, not by our launcher, which checked the options and holds
             # --out: every rank checks them (the same verdict), rank 0 says it, and rank 0 holds --out
@@ -625,6 +630,31 @@ def _in_thread(compute: Callable[[], object]) -> object:
     while not work.done:
         work.wait(0.1)
     return work.result()
+
+
+def _check_torchrun_environment() -> str | None:
+    """What is wrong with the variables torchrun sets for its workers, or None: WORLD_SIZE is set (this
+    process runs as a worker), so the others must be too, as numbers that fit it (one left over from a
+    job script, or mistyped, ended in a traceback deep in the process group's start)."""
+    world = os.environ["WORLD_SIZE"]
+    if not world.isdigit() or int(world) < 1:
+        return (
+            f"environment variable WORLD_SIZE: expected a positive integer (torchrun sets it), got {world!r}"
+        )
+    if "RANK" not in os.environ:
+        return (
+            f"environment variable RANK: not set, where WORLD_SIZE is ({world}); start workers with torchrun"
+        )
+    # (LOCAL_RANK and LOCAL_WORLD_SIZE default to 0 and 1)
+    for name, low, high in (("RANK", 0, int(world) - 1), ("LOCAL_RANK", 0, int(world) - 1),
+                            ("LOCAL_WORLD_SIZE", 1, int(world))):  # fmt: skip
+        value = os.environ.get(name)
+        if value is not None and not (value.isdigit() and low <= int(value) <= high):
+            return (
+                f"environment variable {name}: expected an integer from {low} to {high} (WORLD_SIZE "
+                f"{world}), got {value!r}"
+            )
+    return None
 
 
 def _check_worker_options(args: argparse.Namespace) -> str | None:
