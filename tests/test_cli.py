@@ -138,6 +138,17 @@ def test_bench_list(fake_op, capsys):
     assert "providers: torch (baseline), tandem" in out and "small  [quick, cpu, cuda]" in out
 
 
+@pytest.mark.parametrize("command", ["train", "transcribe", "bench"])
+def test_an_unknown_option_is_refused_in_the_subcommands_usage(command, capsys):
+    """``tandem train --bogus`` printed the top-level usage (``tandem [-h] [--version] {train,...}``) and
+    "tandem: error", which names no option of train's."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--bogus", *(["a.wav"] if command == "transcribe" else [])])  # (its FILE given)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"usage: tandem {command} ")
+    assert err.rstrip().endswith(f"tandem {command}: error: unrecognized arguments: --bogus")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # in the subcommand's usage (the top-level parser's named no option of it)
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv
     args.command_line = shlex.join(["tandem", *argv])
     return args.handler(args, args.subparser)
