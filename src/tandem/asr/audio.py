@@ -26,6 +26,7 @@ __all__ = [
     "MAX_CHANNELS",
     "MAX_SAMPLE_RATE",
     "SILENCE_PEAK",
+    "half_range",
     "read_audio",
     "read_header",
     "source_name",
@@ -396,10 +397,10 @@ def _check_samples(
         return peak
     # judged by half the range the samples span: a constant offset (a DC bias) with nothing but a step of
     # dither on it is silence too, as is A-law's silence, which decodes to +-2^-12 (no code for 0)
-    swing = _half_range(waveform)
+    swing = half_range(waveform)
     loudest = 0.0
     if channels is not None and channels.shape[0] > 1:
-        loudest = float(max(_half_range(c) for c in channels))
+        loudest = float(max(half_range(c) for c in channels))
     # channels that (nearly) cancel: the mix is what is left of one voice in opposite phase (a mis-wired
     # microphone), not the recording (a silent channel leaves half the other, -6 dB)
     if swing <= silence or swing < loudest * CANCELLED:
@@ -419,8 +420,9 @@ def _check_samples(
     return peak
 
 
-def _half_range(samples: Tensor) -> float:
-    """Half the range ``samples`` span (their amplitude about the middle of that range)."""
+def half_range(samples: Tensor) -> float:
+    """Half the range ``samples`` span (their amplitude about the middle of that range): at most
+    :data:`SILENCE_PEAK` (one step of 16-bit audio), a recording is silent."""
     return (float(samples.max()) - float(samples.min())) / 2
 
 

@@ -37,6 +37,7 @@ from tandem.asr.audio import (
     MIN_SAMPLE_RATE,
     SILENCE_PEAK,
     AudioError,
+    half_range,
     read_audio,
     read_header,
     to_model_input,
@@ -293,8 +294,7 @@ class ManifestSet:
         except AudioError as e:
             raise AudioError(f"{e} ({self.name} line {entry.line})") from None
         peak = float(audio.abs().max())
-        # silence as read_audio judges it: within one step of the middle of the samples' range
-        if (float(audio.max()) - float(audio.min())) / 2 <= SILENCE_PEAK and entry.path not in _WARNED_SILENT:
+        if half_range(audio) <= SILENCE_PEAK and entry.path not in _WARNED_SILENT:  # read_audio's rule
             _WARNED_SILENT.add(entry.path)
             print(
                 f"tandem train: warning: {entry.path} ({self.name} line {entry.line}): a silent recording "
