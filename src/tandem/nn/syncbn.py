@@ -125,6 +125,11 @@ class SyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
+    def _batch_statistics(self) -> bool:
+        """Whether the batch's own statistics normalise it: in training, and in eval when there are no
+        running statistics (torch's ``bn_training``)."""
+        return self.training or (self.running_mean is None and self.running_var is None)
+
     def _check_channels(self, input: Tensor, mask: Tensor | None) -> None:
         if input.size(1) == 0:
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
@@ -136,9 +141,8 @@ class SyncBatchNorm(_BatchNorm):
         has_stats = self.running_mean is not None and (not self.training or self.track_running_stats)
         has_per_channel = self.weight is not None or self.bias is not None or has_stats
         if has_per_channel and input.size(1) != self.num_features:
-            # what torch's batch_norm checks before it meets the channels, with its exception types: batch
-            # statistics in training, and in eval when there are no running statistics
-            bn_training = self.training or (self.running_mean is None and self.running_var is None)
+            # what torch's batch_norm checks before it meets the channels, with its exception types
+            bn_training = self._batch_statistics()
             if bn_training and mask is None:
                 torch.nn.functional._verify_batch_size(input.size())
             check_eps(self.eps, bn_training)
@@ -202,8 +206,7 @@ class SyncBatchNorm(_BatchNorm):
         tracking = self.training and self.track_running_stats
         if tracking and self.momentum is None:
             factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
-        # batch statistics in training, and in eval when there are no running statistics
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        bn_training = self._batch_statistics()
         keep_buffers = not self.training or self.track_running_stats
         if tracking:
             # before the op, as torch's: a non-reentrant checkpoint's recomputation stops right after the
