@@ -23,8 +23,10 @@ __all__ = ["gru_fwd_flops", "gru_bwd_flops", "lstm_fwd_flops", "lstm_bwd_flops",
 Shape = tuple[int, ...]
 
 
-def _products(x: Shape, h0: Shape, gates: int, out: int, hidden: int, projected: bool) -> tuple[int, ...]:
-    """(rows, input product, recurrent product, projection) FLOPs of one pass over every direction."""
+def _products(
+    x: Shape, h0: Shape, gates: int, out: int, hidden: int, projected: bool
+) -> tuple[int, int, int]:
+    """FLOPs of the input product, the recurrent product and the projection, over every row and direction."""
     directions, rows, inputs = h0[0], x[0], x[1]
     per_row = 2 * directions * gates
     proj = 2 * directions * rows * hidden * out if projected else 0

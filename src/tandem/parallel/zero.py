@@ -37,8 +37,10 @@ keeps each rank's shard.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import datetime
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,12 +138,10 @@ HALF_CUT_ALIGN = 64
 def _aligned_cuts(cut: list[int], sizes: list[int]) -> list[int]:
     """``cut`` (flat offsets over parameters of ``sizes`` laid end to end), each moved back to the start of
     the parameter it falls in plus a multiple of :data:`HALF_CUT_ALIGN` (still in order)."""
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
+    starts = list(itertools.accumulate(sizes, initial=0))
     aligned = []
     for c in cut:
-        start = max(s for s in starts if s <= c)
+        start = starts[bisect.bisect_right(starts, c) - 1]
         aligned.append(start + (c - start) // HALF_CUT_ALIGN * HALF_CUT_ALIGN)
     return aligned
 
