@@ -18,6 +18,7 @@ CPUs, see ``triton_support``); the data-parallel wrapper and ZeroAdagrad in spaw
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,13 +234,18 @@ def check_rnn_layout(case: RNNCase, arg: str, layout: str, dtype: torch.dtype, d
     params = {n: p.detach().clone().requires_grad_() for n, p in ref.named_parameters()}
     if arg in ("params", "all"):
         params = {n: laid_out(p, layout) for n, p in params.items()}
-    got = _rnn_run(
-        ours,
-        case,
-        {n: _on(t, device) for n, t in args.items()},
-        {n: _on(t, device) for n, t in params.items()},
-        LAYOUTS[layout] if arg in ("grad", "all") else lambda g: g,
-    )
+    # on CUDA torch's forward hands the weights to cuDNN's flattening first, which refuses some layouts, and
+    # tandem's runs the same (test_cuda_parameters_in_any_layout_as_torchs_on_cuda); without cuDNN the
+    # flattening is skipped and tandem's kernels take any layout
+    no_cudnn = device != "cpu" and arg in ("params", "all")
+    with torch.backends.cudnn.flags(enabled=False) if no_cudnn else contextlib.nullcontext():
+        got = _rnn_run(
+            ours,
+            case,
+            {n: _on(t, device) for n, t in args.items()},
+            {n: _on(t, device) for n, t in params.items()},
+            LAYOUTS[layout] if arg in ("grad", "all") else lambda g: g,
+        )
     args, params = {n: plain(t) for n, t in args.items()}, {n: plain(t) for n, t in params.items()}
     want = _rnn_run(
         ref, case, args, params, lambda g: plain(LAYOUTS[layout](g)) if arg in ("grad", "all") else g
@@ -411,6 +417,35 @@ def time_loop(request, monkeypatch):
 def test_triton_kernel_rnn_takes_any_layout(case: RNNCase, layout: str, time_loop: str):
     """Every tensor argument at once in ``layout`` (float64: never oneDNN's path)."""
     check_rnn_layout(case, "all", layout, torch.float64, device=TRITON_DEVICE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's weight flattening: CUDA only")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", RNN_CASES, ids=[c.id for c in RNN_CASES])
+def test_cuda_parameters_in_any_layout_as_torchs_on_cuda(case: RNNCase, layout: str):
+    """With cuDNN on, torch's forward on CUDA first flattens the weights into one cuDNN buffer, which
+    refuses some layouts with a RuntimeError (transposed, expanded): tandem's raises the same error, and
+    where torch's computes, tandem's computes the same (torch's module on CUDA is the reference here)."""
+    ref, ours = case.modules(torch.float64)
+    weights = {n: p.detach() for n, p in ref.named_parameters()}
+    args = _rnn_args(case, torch.float64)
+    outcomes: list[dict[str, torch.Tensor] | RuntimeError] = []
+    for module in (ref.cuda(), ours.cuda()):  # each with its own copies: the flattening rewrites them
+        params = {n: _on(laid_out(w.clone().requires_grad_(), layout), "cuda") for n, w in weights.items()}
+        try:
+            outcomes.append(
+                _rnn_run(module, case, {n: _on(t, "cuda") for n, t in args.items()}, params, lambda g: g)
+            )
+        except RuntimeError as e:
+            outcomes.append(e)
+    theirs, got = outcomes
+    if isinstance(theirs, RuntimeError):
+        assert isinstance(got, RuntimeError) and str(got) == str(theirs), (got, theirs)
+    else:
+        assert not isinstance(got, RuntimeError), got
+        assert_all_close(
+            {n: t.cpu() for n, t in got.items()}, {n: t.cpu() for n, t in theirs.items()}, torch.float64
+        )
 
 
 @needs_triton
