@@ -928,6 +928,19 @@ def test_edge_states_as_torch(case):
         torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("shape", [(0, 5), (0, 5, 2), (2, 5, 0)], ids=["0x5", "0x5x2", "2x5x0"])
+def test_an_empty_batch_of_another_width_as_torch(shape, training):
+    """torch's batch norm returns an empty batch as it is, whatever its channel count (tandem raised its
+    channel RuntimeError): the same output and buffers as torch's module, without a process group."""
+    mods = [cls(3).train(training) for cls in (tandem.nn.SyncBatchNorm, torch.nn.SyncBatchNorm)]
+    x = torch.randn(shape)
+    ours, theirs = (_outcome(m, x) for m in mods)
+    assert isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor), (ours, theirs)
+    assert ours.shape == theirs.shape == x.shape
+    torch.testing.assert_close(mods[0].state_dict(), mods[1].state_dict())
+
+
 @pytest.mark.parametrize(
     "case",
     ["one-row-other-channels", "one-frame-other-channels", "eps-0-other-channels", "eval-eps-negative"],

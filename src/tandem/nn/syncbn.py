@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import PackedSequence
 
-from tandem.ops.syncbn import check_eps, sync_batch_norm
+from tandem.ops.syncbn import check_eps, sync_batch_norm, sync_group
 
 __all__ = ["SyncBatchNorm"]
 
@@ -136,6 +136,12 @@ class SyncBatchNorm(_BatchNorm):
         per_channel = (self.weight, self.bias, self.running_mean, self.running_var)
         if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in per_channel):
             return  # a lazy module converted before its first forward: F.batch_norm's error, as torch's
+        if (
+            input.numel() == 0
+            and mask is None
+            and not (self.training and sync_group(self.process_group) is not None)
+        ):
+            return  # F.batch_norm's path, as torch's module takes: an empty batch of any width comes back
         # torch only notices a wrong channel count through a per-channel tensor that batch_norm is given
         # (running statistics only in eval or when tracked); so do we
         has_stats = self.running_mean is not None and (not self.training or self.track_running_stats)
