@@ -1,0 +1,55 @@
+"""A training process's standard output that may fail (a closed pipe, a full disk) without ending the run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, TextIO
+
+__all__ = ["keep_going_without_stdout"]
+
+
+class _ForgivingStdout:
+    """``stream`` (sys.stdout) whose first failed write or flush sends the rest of its output to the null
+    device: one note on stderr, then the process goes on. Everything else is the stream's own."""
+
+    def __init__(self, stream: TextIO, note: str) -> None:
+        self._stream, self._note, self._lost = stream, note, False
+
+    def write(self, text: str) -> int:
+        if not self._lost:
+            try:
+                return self._stream.write(text)
+            except OSError as e:
+                self._lose(e)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._lost:
+            try:
+                self._stream.flush()
+            except OSError as e:
+                self._lose(e)
+
+    def _lose(self, error: OSError) -> None:
+        self._lost = True
+        # what the stream still holds goes to the null device at its next flush (at exit), so the
+        # interpreter's own flush does not fail (an "Exception ignored" report, exit status 120)
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), self._stream.fileno())
+        reason = error.strerror or type(error).__name__
+        print(f"{self._note} ({reason})", file=sys.stderr, flush=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def keep_going_without_stdout(note: str) -> None:
+    """From now on a failing sys.stdout loses this process's messages, not its work: ``note`` (and the
+    reason) on stderr once, then its output goes to the null device. A no-op if stdout has no file."""
+    try:
+        sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by something without a descriptor
+        return
+    if not isinstance(sys.stdout, _ForgivingStdout):
+        sys.stdout = _ForgivingStdout(sys.stdout, note)  # type: ignore[assignment]
