@@ -46,6 +46,9 @@ class Rows:
     unsorted_indices: Tensor | None = None
     checked: Tensor | None = None  # what torch's check_forward_args looks at (input or packed data)
     given_batch_sizes: Tensor | None = None  # a PackedSequence's own, where ``batch_sizes`` drops its 0s
+    step_sizes: list[int] | None = (
+        None  # ``batch_sizes`` as Python ints, for a padded input (known from its shape)
+    )
 
 
 class RNNLayers(torch.nn.RNNBase):
@@ -365,6 +368,7 @@ class RNNLayers(torch.nn.RNNBase):
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")  # torch's words
         rows.data = x.reshape(steps * rows.mini_batch, self.input_size)
         rows.batch_sizes = torch.full((steps,), rows.mini_batch, dtype=torch.long)
+        rows.step_sizes = [rows.mini_batch] * steps
 
     def _check_state_size(self, rows: Rows, state: Tensor, size: int, message: str) -> None:
         """torch's check_forward_args for one state, with the batch of ``rows`` (not read again from a

@@ -123,7 +123,9 @@ class GRU(RNNLayers):
             )
             formulas = needs_formulas(rows.mini_batch, layer_input, h0, *weights)
             if formulas:  # (autograd-tracked ops: they save what torch's save)
-                layer_input, h_last = gru_layer_autograd(layer_input, rows.batch_sizes, h0, *weights)
+                layer_input, h_last = gru_layer_autograd(
+                    layer_input, rows.step_sizes or rows.batch_sizes, h0, *weights
+                )
             else:
                 x, h0 = self._unsaved(layer_input, h0, *weights)
                 layer_input, h_last = gru_layer(x, rows.batch_sizes, h0, *weights)

@@ -237,7 +237,7 @@ class LSTM(RNNLayers):
                 formulas = needs_formulas(rows.mini_batch, layer_input, h0, c0, *weights)
                 if formulas:  # (autograd-tracked ops: they save what torch's save)
                     layer_input, h_last, c_last = lstm_layer_autograd(
-                        layer_input, rows.batch_sizes, h0, c0, *weights
+                        layer_input, rows.step_sizes or rows.batch_sizes, h0, c0, *weights
                     )
                 else:
                     c0 = self._unsaved_c0(c0, layer_input, h0, *weights[:4])

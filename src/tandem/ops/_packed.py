@@ -35,10 +35,20 @@ class PackedSteps:
 
     @staticmethod
     def build(
-        batch_sizes: Tensor, rows: int, batch: int, directions: int, device: torch.device, op: str = "rnn"
+        batch_sizes: Tensor | list[int],
+        rows: int,
+        batch: int,
+        directions: int,
+        device: torch.device,
+        op: str = "rnn",
     ) -> PackedSteps:
-        """Check ``batch_sizes`` against the rows and batch of the call; ``op`` prefixes the errors."""
-        sizes = [int(n) for n in batch_sizes.tolist()]
+        """Check ``batch_sizes`` against the rows and batch of the call; ``op`` prefixes the errors. A list
+        is the sizes themselves: a padded batch's, known from its shape (torch.compile traces the
+        autograd-tracked layers, under torch.func transforms, without reading a tensor's values)."""
+        if isinstance(batch_sizes, list):
+            sizes = [int(n) for n in batch_sizes]
+        else:
+            sizes = [int(n) for n in batch_sizes.tolist()]
         if not sizes or sizes[-1] < 1 or any(a < b for a, b in zip(sizes, sizes[1:])):
             raise ValueError(f"{op}: expected batch_sizes non-increasing and positive, got {sizes}")
         if sum(sizes) != rows:

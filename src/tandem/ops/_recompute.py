@@ -22,7 +22,7 @@ __all__ = ["packed_layer", "wants_graph", "grads_through"]
 
 def packed_layer(
     x: Tensor,
-    batch_sizes: Tensor,
+    batch_sizes: Tensor | list[int],
     init: tuple[Tensor, ...],
     project: Callable[[int, Tensor], Tensor],
     cell: Callable[[int, Tensor, tuple[Tensor, ...]], tuple[Tensor, ...]],

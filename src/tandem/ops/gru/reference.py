@@ -289,7 +289,7 @@ def gru_bwd_epilogue(
 
 def gru_layer_autograd(
     x: Tensor,
-    batch_sizes: Tensor,
+    batch_sizes: Tensor | list[int],
     h0: Tensor,
     w_ih: Tensor,
     w_hh: Tensor,

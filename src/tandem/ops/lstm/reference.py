@@ -364,7 +364,7 @@ def lstm_bwd_ref(
 
 def lstm_layer_autograd(
     x: Tensor,
-    batch_sizes: Tensor,
+    batch_sizes: Tensor | list[int],
     h0: Tensor,
     c0: Tensor,
     w_ih: Tensor,
