@@ -707,3 +707,32 @@ def test_static_graph_leaves_find_unused_parameters_as_given(one_rank):
             w.mlp(), static_graph=static, find_unused_parameters=find
         )
         assert ddp.find_unused_parameters is find and ddp.static_graph is static
+
+
+def test_inputs_move_to_the_device_as_torchs_ddp_moves_them():
+    """With device_ids, the inputs go to the module's device as torch's DDP sends them (its
+    ``_recursive_to``): a PackedSequence whole, its batch_sizes left on the CPU (tandem moved every field,
+    and rebuilding the PackedSequence raised "batch_sizes should always be on CPU"). The meta device
+    stands in for a GPU."""
+    from torch.distributed.utils import _recursive_to
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+    from tandem.parallel.ddp import _to_device
+
+    packed = pack_padded_sequence(torch.randn(4, 3, 2), [4, 2, 1], enforce_sorted=False)
+    point = torch.return_types.max((torch.randn(2), torch.tensor([1, 0])))
+    inputs = (torch.randn(2), packed, [torch.ones(1), {"k": torch.zeros(2), "n": 3}], point, "text")
+    meta = torch.device("meta")
+    got, want = _to_device(inputs, meta), _recursive_to(inputs, meta, False)[0]
+
+    def layout(obj: Any) -> Any:  # the structure, each tensor's device and shape
+        if isinstance(obj, torch.Tensor):
+            return ("tensor", obj.device.type, tuple(obj.shape), obj.dtype)
+        if isinstance(obj, (list, tuple)):
+            return (type(obj).__name__, [layout(o) for o in obj])
+        if isinstance(obj, dict):
+            return (type(obj).__name__, {k: layout(v) for k, v in obj.items()})
+        return obj
+
+    assert layout(got) == layout(want)
+    assert isinstance(got[1], PackedSequence) and got[1].batch_sizes.device.type == "cpu"

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.futures import Future
+from torch.nn.utils.rnn import PackedSequence
 
 from tandem.parallel.buckets import GradBucket, bucket_assignment
 from tandem.parallel.comm import (
@@ -229,12 +230,16 @@ def _tensors_in(obj: Any) -> Iterator[Tensor]:
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple (PackedSequence among them)
+    """The inputs on the module's device, as torch's DDP moves them (``_recursive_to``): tensors copied as
+    ``.to`` copies (blocking: a pinned buffer may be refilled once forward returns), a PackedSequence whole
+    (its batch_sizes stay on the CPU), inside tuples, lists, dicts and namedtuples."""
+    if isinstance(obj, (Tensor, PackedSequence)):
+        return obj.to(device)
+    if isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields"):  # a namedtuple
         return type(obj)(*(_to_device(item, device) for item in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(item, device) for item in obj)
+    if isinstance(obj, (list, tuple)):  # plain ones (a torch.return_types tuple too), as torch's
+        items = [_to_device(item, device) for item in obj]
+        return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, dict):
         return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
     return obj
