@@ -107,6 +107,8 @@ class Group:
         self.device = device
         # how often the ranks meet while rank 0 works alone (see from_lead): well inside the timeout
         self.heartbeat = min(1.0, timeout / 10)
+        if device.type == "cuda":  # this rank's GPU current: where NCCL's and Triton's work is launched
+            torch.cuda.set_device(device)
         if self.world > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(

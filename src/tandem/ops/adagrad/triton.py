@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem._device import on_tensors_device
+
 __all__ = ["adagrad_step_triton"]
 
 _BLOCK = 1024  # elements per vector op: 4 warps x 32 lanes x 8 elements
@@ -199,6 +201,7 @@ def _chunk_table(numels: tuple[int, ...], chunk: int, device: torch.device) -> t
     return torch.tensor([index, start], dtype=torch.int64).to(device)
 
 
+@on_tensors_device
 def adagrad_step_triton(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem._device import on_tensors_device
 from tandem.ops._triton_rnn import (
     StepGraphs,
     compute_dtype,
@@ -487,6 +488,7 @@ def _persistent_meta(kind: str, x: Tensor, hid: int) -> dict | None:
     return persistent_meta(_PERSISTENT_WARPS[kind, precision(x)], TIME_LOOP, hid)
 
 
+@on_tensors_device
 def gru_fwd_triton(
     x: Tensor,
     batch_sizes: Tensor,
@@ -540,6 +542,7 @@ def gru_fwd_triton(
     return gru_fwd_epilogue(steps, y, gates, hn, states)
 
 
+@on_tensors_device
 def gru_bwd_triton(
     dy: Tensor | None,
     dh_n: Tensor | None,

@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tandem._device import on_tensors_device
 from tandem.ops._packed import PackedSteps
 from tandem.ops._triton_rnn import (
     TRITON_VERSION,
@@ -560,6 +561,7 @@ def _persistent_meta(kind: str, x: Tensor, hid: int, has_proj: bool) -> dict | N
     return persistent_meta(_PERSISTENT_WARPS[key], TIME_LOOP, hid, _PERSISTENT_MAX_BUILDABLE.get(key))
 
 
+@on_tensors_device
 def lstm_fwd_triton(
     x: Tensor,
     batch_sizes: Tensor,
@@ -644,6 +646,7 @@ def lstm_fwd_triton(
     return fwd_epilogue(fwd, batch, need_saved, has_proj)
 
 
+@on_tensors_device
 def lstm_bwd_triton(
     dy: Tensor | None,
     dh_n: Tensor | None,

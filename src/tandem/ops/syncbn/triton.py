@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem._device import on_tensors_device
 from tandem.ops.syncbn.reference import acc_dtype, merge_stats_ref, split_mean
 
 __all__ = ["syncbn_stats_triton", "syncbn_fwd_triton", "syncbn_bwd_reduce_triton", "syncbn_bwd_triton"]
@@ -242,6 +243,7 @@ def _pivot(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return pivot.to(acc_dtype(x.dtype)).nan_to_num(0.0, 0.0, 0.0)
 
 
+@on_tensors_device
 def syncbn_stats_triton(x: torch.Tensor, mask: torch.Tensor | None):
     """Triton version of :func:`syncbn_stats_ref`: ``(mean [C] float64, m2 [C], count [])``."""
     acc = acc_dtype(x.dtype)
@@ -263,6 +265,7 @@ def syncbn_stats_triton(x: torch.Tensor, mask: torch.Tensor | None):
     return pivot.to(torch.float64) + mean.to(torch.float64), m2, total
 
 
+@on_tensors_device
 def syncbn_fwd_triton(x, mean, invstd, weight, bias, mask):
     """Triton version of :func:`syncbn_fwd_ref`."""
     y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
@@ -280,6 +283,7 @@ def syncbn_fwd_triton(x, mean, invstd, weight, bias, mask):
     return y
 
 
+@on_tensors_device
 def syncbn_bwd_reduce_triton(dy, x, mean, invstd, mask):
     """Triton version of :func:`syncbn_bwd_reduce_ref`."""
     c = x.shape[1]
@@ -297,6 +301,7 @@ def syncbn_bwd_reduce_triton(dy, x, mean, invstd, mask):
     return sum_dy, (sum_dy_xmu.sum(0) - lo * sum_dy) * invstd
 
 
+@on_tensors_device
 def syncbn_bwd_triton(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask):
     """Triton version of :func:`syncbn_bwd_ref`."""
     dx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
