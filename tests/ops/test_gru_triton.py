@@ -302,6 +302,33 @@ def test_tf32_follows_the_setting_torchs_cudnn_rnns_follow(settings, expected):
         cudnn.rnn.fp32_precision, cudnn.conv.fp32_precision, cudnn.fp32_precision = saved
 
 
+@pytest.mark.parametrize(
+    ("cudnn_on", "matmul", "expected"),
+    [
+        (True, "highest", True),  # torch's defaults: cuDNN's RNNs, TF32
+        (False, "highest", False),  # torch's native RNN: cuBLAS matmuls, exact by default
+        (False, "high", True),  # ... unless torch.set_float32_matmul_precision allows TF32
+    ],
+    ids=["cudnn", "no-cudnn", "no-cudnn-matmul-high"],
+)
+def test_tf32_without_cudnn_follows_torchs_matmul_setting(monkeypatch, cudnn_on, matmul, expected):
+    """With cuDNN off (``torch.backends.cudnn.flags(enabled=False)``) torch's RNN multiplies through
+    cuBLAS, exact unless the matmul precision allows TF32: tandem used TF32 there (cuDNN's setting)."""
+    from tandem.ops._triton_rnn import rnn_tf32
+
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)  # as on a GPU machine
+    matmul_settings = torch.backends.cuda.matmul
+    saved = getattr(matmul_settings, "fp32_precision", None)  # ("none" by default: not what set_... leaves)
+    try:
+        torch.set_float32_matmul_precision(matmul)
+        with torch.backends.cudnn.flags(enabled=cudnn_on):
+            assert rnn_tf32() is expected
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        if saved is not None:
+            matmul_settings.fp32_precision = saved
+
+
 @needs_triton
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["x-fp32", "x-bf16"])

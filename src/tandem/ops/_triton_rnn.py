@@ -19,7 +19,9 @@ __all__ = [
     "dot",
     "upcast",
     "tf32",
+    "cuda_matmul_tf32",
     "cudnn_rnn_tf32",
+    "rnn_tf32",
     "compute_dtype",
     "precision",
     "persistent_meta",
@@ -159,9 +161,33 @@ def upcast(x: Tensor) -> bool:
 
 
 def tf32(x: Tensor) -> bool:
-    """Float32 products in TF32 on GPUs exactly when torch's cuDNN RNNs use it (on by default; see
-    :func:`cudnn_rnn_tf32`); exact otherwise."""
-    return x.dtype == torch.float32 and x.is_cuda and cudnn_rnn_tf32()
+    """Float32 products in TF32 on GPUs exactly when torch's own RNN would use it (:func:`rnn_tf32`);
+    exact otherwise."""
+    return x.dtype == torch.float32 and x.is_cuda and rnn_tf32()
+
+
+def rnn_tf32() -> bool:
+    """Whether torch.nn.GRU/LSTM on a GPU multiply float32 in TF32: its cuDNN kernels where cuDNN is
+    enabled (TF32 by default, :func:`cudnn_rnn_tf32`), else its native kernels, whose products are
+    cuBLAS matmuls (exact by default, :func:`cuda_matmul_tf32`): ``torch.backends.cudnn.flags(enabled=
+    False)``, the usual way to a double backward through torch's RNNs, gave tandem TF32 and torch not."""
+    cudnn = torch.backends.cudnn
+    return cudnn_rnn_tf32() if cudnn.enabled and cudnn.is_available() else cuda_matmul_tf32()
+
+
+def cuda_matmul_tf32() -> bool:
+    """Whether torch's cuBLAS matmuls multiply float32 in TF32 (``torch.set_float32_matmul_precision``):
+    ``torch.backends.cuda.matmul.fp32_precision``, "none" deferring to torch's generic one, where torch
+    has them (reading the legacy flag there raises once the two APIs were mixed); older torch:
+    ``torch.backends.cuda.matmul.allow_tf32``."""
+    matmul = torch.backends.cuda.matmul
+    own = getattr(matmul, "fp32_precision", None)
+    if own is None:
+        return bool(matmul.allow_tf32)
+    for precision in (own, getattr(torch.backends, "fp32_precision", "none")):
+        if precision != "none":
+            return precision == "tf32"
+    return False
 
 
 def cudnn_rnn_tf32() -> bool:
