@@ -177,6 +177,11 @@ def adagrad_unchecked(
         lists[2].append(s)
         lists[3].append(t)
 
+    hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
+    if plain and (groups or len(plain) > 1):  # what the per-tensor path refuses, before anything moves
+        _refuse_early([params[i] for i in plain], [grads[i] for i in plain], [state_sums[i] for i in plain],
+                      [state_steps[i] for i in plain], hyper)  # fmt: skip
+
     maxima: list[Tensor] = []
     for (device, _), (ps, gs, ss, ts) in groups.items():
         largest = adagrad_step_dispatch(
@@ -192,7 +197,7 @@ def adagrad_unchecked(
             [grads[i] for i in plain],
             [state_sums[i] for i in plain],
             [state_steps[i] for i in plain],
-            dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize),
+            hyper,
             differentiable=differentiable,
             grad_scale=grad_scale,
             found_inf=found_inf,
@@ -230,6 +235,20 @@ def _check(i: int, p: Tensor, g: Tensor, s: Tensor, t: Tensor) -> None:
             f"adagrad: expected state_steps[{i}] to be a 0-d float32 tensor on {step_device(p.device)}, "
             f"got {t.dim()}-d {t.dtype} on {t.device}"
         )
+
+
+def _refuse_early(
+    params: list[Tensor], grads: list[Tensor], sums: list[Tensor], steps: list[Tensor], hyper: dict
+) -> None:
+    """Raise what the per-tensor path would raise part-way through a step, before any parameter moves: a
+    gradient of another shape or dtype than its parameter's (set through ``.data``) that torch's ops refuse
+    (they broadcast or promote others), tried on stand-ins of the same layouts (torch's words: the meta
+    device words them otherwise)."""
+    for p, g, s, t in zip(params, grads, sums, steps):
+        if not g.is_sparse and (g.shape != p.shape or g.dtype != p.dtype):
+            stand_ins = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in (p, g, s)]
+            with torch.no_grad():
+                adagrad_tensor_ref(*stand_ins, float(t) + 1, **hyper)
 
 
 def _plain_step(
