@@ -7,6 +7,7 @@ at the end, whatever happened.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,25 @@ def test_state_dict_has_the_groups_as_they_are_now_as_torchs(one_rank):
     ours, theirs = saved
     assert ours["param_groups"] == theirs["param_groups"]
     assert [g["lr"] for g in ours["param_groups"]] == [0.05, 0.025]
+
+
+def test_load_state_dict_replaces_the_groups_as_torchs(one_rank):
+    """torch's load_state_dict replaces each group by the saved one (its keys only, then Adagrad's
+    defaults for those an old checkpoint lacks); ZeroAdagrad merged them, keeping the current group's
+    maximize=True (and a user's key) where the saved dict had none, and stepped the other way."""
+    sd = torch.optim.Adagrad([torch.zeros(2, requires_grad=True)], lr=0.1).state_dict()
+    del sd["param_groups"][0]["maximize"]  # an older checkpoint's groups
+    results = []
+    for cls in (ZeroAdagrad, torch.optim.Adagrad):
+        p = torch.zeros(2, requires_grad=True)
+        opt = cls([{"params": [p], "tag": "mine"}], lr=0.1, maximize=True)
+        opt.load_state_dict(copy.deepcopy(sd))
+        p.grad = torch.ones(2)
+        opt.step()
+        results.append(({k: v for k, v in opt.param_groups[0].items() if k != "params"}, p.detach().clone()))
+    (ours, p_ours), (theirs, p_theirs) = results
+    assert ours == theirs and "tag" not in ours and ours["maximize"] is False
+    assert torch.equal(p_ours, p_theirs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -645,7 +645,16 @@ class ZeroAdagrad(Optimizer):
         values = [copy.deepcopy({k: v for k, v in saved.items() if k != "params"}) for saved in groups]
         with torch.no_grad():
             for loaded, group in zip(values, self.param_groups):
-                group.update(loaded)
+                # the saved group replaces the current one, its parameters kept, as torch's (a key only the
+                # current group has is dropped); then Adagrad's defaults for keys old checkpoints lack
+                params, names = group["params"], group.get("param_names")
+                group.clear()
+                group.update(loaded, params=params)
+                if names is not None:
+                    group.setdefault("param_names", names)
+                defaults = {"foreach": None, "maximize": False, "differentiable": False, "fused": None}
+                for key, default in defaults.items():
+                    group.setdefault(key, default)
             for i, (pid, p) in enumerate(zip(ids, self._params)):
                 # The whole state is replaced, as torch's: a parameter the dict has no state for starts
                 # afresh, as torch 2.13's Adagrad starts it at its next step (from the constructor's value).
