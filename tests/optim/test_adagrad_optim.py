@@ -255,6 +255,35 @@ def test_converged_flag_on_a_quadratic():
     assert not flags[0]
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_converged_and_max_change_of_a_compiled_step(backend):
+    """torch.compile(opt.step): dynamo drops a compiled step's assignments to the optimizer's attributes,
+    so max_change stayed inf and converged False at every step (a loop waiting for it never ended). Each
+    step's values, as the uncompiled step's; after load_state_dict, as before any step."""
+    tol = 1e-3
+    runs = []
+    for compiled in (False, True):
+        torch.compiler.reset()
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 5))
+        opt = Adagrad([p], lr=0.1, tol=tol)
+        step = torch.compile(opt.step, backend=backend) if compiled else opt.step
+        seen = []
+        for lr in (0.1, 1e-4):
+            opt.param_groups[0]["lr"] = lr
+            p.grad = torch.ones(5)
+            step()
+            seen.append((opt.max_change.item(), bool(opt.converged)))
+        opt.load_state_dict(opt.state_dict())
+        seen.append((opt.max_change.item(), bool(opt.converged)))
+        runs.append(seen)
+    plain, compiled = runs
+    assert [c for _, c in plain] == [False, True, False] and plain[2][0] == float("inf")
+    assert [c for _, c in compiled] == [c for _, c in plain]
+    for (got, _), (want, _) in zip(compiled[:2], plain[:2]):
+        assert got == pytest.approx(want, rel=1e-3)
+    assert compiled[2][0] == float("inf")
+
+
 def test_converged_is_computed_without_host_sync(monkeypatch):
     params, set_grads = _quadratic()
     opt = Adagrad(params, lr=0.5, tol=1e-4, weight_decay=0.01)

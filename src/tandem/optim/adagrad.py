@@ -156,6 +156,12 @@ class Adagrad(Optimizer):
         self._step_supports_amp_scaling = _torch_fused_takes_the_scale()
         self._converged: Tensor | None = None
         self._max_change: Tensor | None = None
+        if tol is not None:
+            # made here and written in place by step(): a compiled step's assignments to the optimizer's
+            # attributes are dropped (dynamo), its in-place writes to their tensors are kept
+            device = self._first_device()
+            self._max_change = torch.full((), float("inf"), device=device)
+            self._converged = torch.zeros((), dtype=torch.bool, device=device)
 
         # As torch: the state exists from construction (initial_accumulator_value of the constructor).
         for group in self.param_groups:
@@ -216,9 +222,14 @@ class Adagrad(Optimizer):
                     p_state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
                 elif step.dtype != torch.float32 or step.device != device:
                     p_state["step"] = step.to(dtype=torch.float32, device=device)
+        loading = "tol" not in state  # load_state_dict (a copy or unpickling brings tol along)
         self.__dict__.setdefault("tol", None)
         self.__dict__.setdefault("_converged", None)
         self.__dict__.setdefault("_max_change", None)
+        if loading and self._max_change is not None and self._converged is not None:
+            # what the steps before the load found says nothing of the loaded state: as before any step
+            self._max_change.fill_(float("inf"))
+            self._converged.fill_(False)
         self.__dict__.setdefault("_step_supports_amp_scaling", _torch_fused_takes_the_scale())
 
     def share_memory(self) -> None:
@@ -238,7 +249,7 @@ class Adagrad(Optimizer):
             raise RuntimeError("Adagrad: converged is only tracked when tol is set, got tol=None")
         if self._converged is None:
             return torch.zeros((), dtype=torch.bool, device=self._first_device())
-        return self._converged
+        return self._converged.clone()  # (the optimizer's own is written in place at each step)
 
     @property
     def max_change(self) -> Tensor:
@@ -247,7 +258,7 @@ class Adagrad(Optimizer):
             raise RuntimeError("Adagrad: max_change is only tracked when tol is set, got tol=None")
         if self._max_change is None:
             return torch.full((), float("inf"), device=self._first_device())
-        return self._max_change
+        return self._max_change.clone()
 
     def _first_device(self) -> torch.device:
         for group in self.param_groups:
@@ -350,5 +361,9 @@ class Adagrad(Optimizer):
             converged = largest <= self.tol
             if found_inf is not None:  # a skipped step says nothing about convergence
                 converged = converged & (to_device(found_inf, device) == 0)
-            self._max_change, self._converged = largest, converged
+            if self._max_change is None or self._converged is None or self._max_change.device != device:
+                self._max_change, self._converged = largest, converged  # (an optimizer of older pickles)
+            else:
+                self._max_change.copy_(largest)
+                self._converged.copy_(converged)
         return loss
