@@ -259,6 +259,39 @@ def test_arguments_taken_as_a_python_user_passes_them(tmp_path, checkpoint):
         assert rec.transcribe_batch([clip, clip], rate) == expected
 
 
+def test_a_float64_default_dtype_transcribes_as_float32(checkpoint):
+    """Under ``torch.set_default_dtype(torch.float64)`` from_checkpoint built float64 layers and fed them
+    float32 features (conv2d's dtype error); a model converted by hand (``.double()``) is fed its dtype."""
+    clips = list(_utterances())[:3]
+    expected = Recognizer.from_checkpoint(checkpoint, fit_edges=False).transcribe_batch(clips, 8000)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        rec = Recognizer.from_checkpoint(checkpoint, fit_edges=False)
+        assert next(rec.model.parameters()).dtype == torch.float32
+        assert rec.transcribe_batch(clips, 8000) == expected
+    finally:
+        torch.set_default_dtype(saved)
+    rec.model.double()
+    assert rec.transcribe_batch(clips, 8000) == expected
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"alphabet": "_ 'abcdefghijklmnopqrstuvwxyz"}, {"features": {}}, {"fit_edges": 1}],
+    ids=["alphabet-str", "features-dict", "fit_edges-int"],
+)
+def test_constructor_arguments_of_another_type_are_refused_before_any_change(bad):
+    """A str alphabet was taken (then ``transcribe`` failed on ``.characters``), a dict of features an
+    AttributeError; the model was put in eval mode before fit_edges was refused."""
+    model = _model().train()
+    kwargs = dict(model=model, features=FeatureConfig(), alphabet=ENGLISH) | bad
+    name = next(iter(bad))
+    with pytest.raises(TypeError, match=f"Recognizer: expected {name}"):
+        Recognizer(**kwargs)
+    assert model.training
+
+
 def _classify_checkpoint(path):
     """What ``tandem train --task classify`` writes (src/tandem/cli/_train_worker.py)."""
     model = torch.nn.Linear(12, 9)

@@ -121,6 +121,11 @@ class Recognizer:
     def __init__(
         self, model: DeepSpeech2, features: FeatureConfig, alphabet: Alphabet, *, fit_edges: bool = True
     ) -> None:
+        for name, value, kind in (("features", features, FeatureConfig), ("alphabet", alphabet, Alphabet)):
+            if not isinstance(value, kind):
+                got = type(value).__name__
+                raise TypeError(f"Recognizer: expected {name} of type {kind.__name__}, got {got}")
+        fit_edges = _check_fit_edges(fit_edges)  # every check before the model is put in eval mode
         if model.config.n_classes != len(alphabet):
             raise ValueError(
                 f"Recognizer: expected a model with {len(alphabet)} classes (the alphabet's, blank "
@@ -134,7 +139,7 @@ class Recognizer:
         self.model = model.eval()
         self.features = features
         self.alphabet = alphabet
-        self.fit_edges = _check_fit_edges(fit_edges)
+        self.fit_edges = fit_edges
         self.device = next(model.parameters()).device
         self.logmel = LogMel(features).to(self.device)
 
@@ -158,7 +163,8 @@ class Recognizer:
             config = ModelConfig(**state["model_config"])
             features = FeatureConfig(**state["feature_config"])
             alphabet = Alphabet(state["alphabet"])
-            model = DeepSpeech2(config, TANDEM_PARTS)
+            # float32, the checkpoint's, whatever torch's default dtype (float64 made float64 layers)
+            model = DeepSpeech2(config, TANDEM_PARTS).float()
             mismatch = _weights_mismatch(model, state["model"], state["model_config"])
             if mismatch is not None:
                 raise CheckpointError(f"{Path(path)}: does not make a recognizer: {mismatch}")
@@ -337,10 +343,12 @@ class Recognizer:
         spans: dict[int, _Spoken | None] = {}
         space = self.alphabet.characters.find(" ") + 1  # 0 (the blank's id) where there is no space
         order = sorted(todo, key=lambda i: -len(audio[i]))
+        dtype = next(self.model.parameters()).dtype
         for chosen in _batches(order, [len(a) for a in audio], batch_size):
             lengths = torch.tensor([len(audio[i]) for i in chosen])
             padded = torch.nn.utils.rnn.pad_sequence([audio[i] for i in chosen], batch_first=True)
             features, frames = self.logmel(padded.to(self.device), lengths)  # [B, T, n_mels], [B]
+            features = features.to(dtype)  # the model's (one made under another default dtype, converted)
             log_probs, out_frames = self.model(features, frames)  # [T', B, K], [B]
             for i, text in zip(chosen, greedy_decode(log_probs, out_frames, self.alphabet)):
                 texts[i] = text
