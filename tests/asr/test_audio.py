@@ -345,6 +345,19 @@ def test_an_8_bit_files_silence_is_one_step_of_its_own(tmp_path):
     assert float(read_audio(quiet)[0].abs().max()) == 2 * 2.0**-7
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+def test_an_8_bit_arrays_silence_is_its_files(dtype):
+    """8-bit PCM given as an array followed 16-bit's rule (one step of dither was transcribed), where the
+    same samples in an 8-bit file are silence."""
+    rng = np.random.default_rng(0)
+    offset = 128 if dtype == np.uint8 else 0
+    dither = (offset + rng.integers(-1, 2, 8000)).astype(dtype)
+    with pytest.raises(AudioError, match="silent recording .*one step of 8-bit audio"):
+        to_model_input(dither, 8000, 8000)
+    quiet = (offset + rng.integers(-2, 3, 8000)).astype(dtype)
+    assert float(to_model_input(quiet, 8000, 8000).abs().max()) > 0
+
+
 def _tones(rate: int, samples: int, freqs: tuple[float, ...]) -> np.ndarray:
     t = np.arange(samples) / rate
     return sum(np.sin(2 * np.pi * f * t + k) for k, f in enumerate(freqs)) / len(freqs)

@@ -494,6 +494,8 @@ def to_model_input(
         )
     if x.is_complex() or x.dtype == torch.bool:
         raise ValueError(f"{name}: expected real samples, got dtype {x.dtype}")
+    # 8-bit PCM's silence is its files' (one step of it: :func:`_silence_peak`), the rest 16-bit's
+    silence = 2.0**-7 if x.dtype in (torch.int8, torch.uint8) else SILENCE_PEAK
     if not x.is_floating_point():
         if x.dtype not in _PCM_SCALE:
             raise ValueError(
@@ -509,7 +511,7 @@ def to_model_input(
             x = x / peak  # beyond float32's range: scaled here, as float32 samples above LOUDEST are below
     x = x.to(torch.float32)
     mono = x.mean(0) if x.dim() == 2 else x  # [samples]
-    peak = _check_samples(mono, name, x if x.dim() == 2 else None, silent_ok)
+    peak = _check_samples(mono, name, x if x.dim() == 2 else None, silent_ok, silence)
     if peak > LOUDEST:
         mono = mono / peak  # float32's power spectrum would overflow; the features do not see the level
     return resample(mono, int(sample_rate), int(target_rate)).contiguous()
