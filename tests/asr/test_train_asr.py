@@ -255,3 +255,26 @@ def test_resume_with_fewer_epochs_than_trained_is_refused():
     assert "trained 6 epochs; resume with --epochs 6 or more" in resume_mismatch(
         TrainConfig(epochs=5), 2, finished
     )
+
+
+def test_the_error_curve_draws_epochs_at_zero_percent(tmp_path, monkeypatch):
+    """The error panel's log axis dropped every epoch at 0 % WER/CER (a run on an easy test set drew
+    nothing after it reached 0, and matplotlib warned when every epoch was 0): 0 is on the axis now."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    import warnings
+
+    from tandem.asr.training import _plot
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    rates = [(0.5, 0.3), (0.02, 0.01), (0.0, 0.0)]
+    history = [
+        {"epoch": e, "train_loss": 1.0 / e, "test_wer": w, "test_cer": c} for e, (w, c) in enumerate(rates, 1)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _plot(history, tmp_path / "curve.png") and _plot(history[2:], tmp_path / "zero.png")
+    for figure in figures:
+        low, high = figure.axes[1].get_ylim()
+        assert low <= 0 < high
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"

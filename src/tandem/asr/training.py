@@ -602,7 +602,10 @@ def _plot(history: list[dict[str, Any]], path: Path) -> bool:
     ax_loss.set(xlabel="epoch", ylabel="CTC loss per character", title="training loss", yscale="log")
     ax_err.plot(epochs, [100 * h["test_wer"] for h in history], marker="o", label="WER")
     ax_err.plot(epochs, [100 * h["test_cer"] for h in history], marker="s", label="CER")
-    ax_err.set(xlabel="epoch", ylabel="%", title="test error rates", yscale="log")
+    ax_err.set(xlabel="epoch", ylabel="%", title="test error rates")
+    # logarithmic down to 0.1 % and linear below, so that an epoch at 0 % is drawn (a log axis drops it)
+    ax_err.set_yscale("symlog", linthresh=0.1, linscale=0.3)
+    ax_err.set_ylim(bottom=0)
     ax_err.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax_err.legend()
     for ax in (ax_loss, ax_err):
