@@ -570,3 +570,21 @@ def test_a_recording_unreadable_mid_run_ends_it_on_every_rank_with_one_verdict(m
     assert "a recording could not be read after step" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout and "resuming" not in done.stdout
     assert not (out / "metrics.json").exists()
+
+
+def test_a_recording_of_one_output_frame_is_refused_for_training_naming_it(tmp_path):
+    """A 0.05 s recording of "a" gives one output frame, enough for its transcript: with --batch-size 1 (or
+    alone in an epoch's last batch) the batch norm between two recurrent layers saw one value per channel
+    and the run ended mid-epoch in a traceback. Training needs two; a test set takes it."""
+    clip = tmp_path / "clip.wav"
+    soundfile.write(str(clip), np.random.default_rng(0).uniform(-0.3, 0.3, 400), 8000, subtype="PCM_16")
+    path = _manifest(tmp_path, [{"audio_filepath": str(clip), "text": "a"}])
+    (entry,) = read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
+    with pytest.raises(ManifestError, match=r":1: audio file .*clip.wav is too short to train on: .* 1 out"):
+        read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig(), least_frames=2)
+    done = tandem(
+        "--train-manifest", str(path), "--test-manifest", str(path), "--nproc", "1", "--layers", "2",
+        "--batch-size", "1", "--epochs", "1", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert done.returncode == 2 and "too short to train on" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

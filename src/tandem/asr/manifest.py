@@ -95,8 +95,11 @@ def read_manifest(
     model: ModelConfig,
     *,
     what: str = "--train-manifest",
+    least_frames: int = 1,
 ) -> list[Entry]:
-    """Every line of the manifest ``path``, checked (see the module docstring).
+    """Every line of the manifest ``path``, checked (see the module docstring); a recording gives at least
+    ``least_frames`` output frames (2 to train a model with batch norms between its recurrent layers: a
+    batch of one recording of one frame would hold one value per channel, torch's error mid-run).
 
     Raises:
         ManifestError: naming ``what`` (the option), the manifest, and each line's problem.
@@ -123,7 +126,7 @@ def read_manifest(
         except json.JSONDecodeError as e:
             problem = f"invalid JSON ({e.msg} at column {e.colno})"
         else:
-            entry_or_problem = check_entry(item, path, number, alphabet, features, model)
+            entry_or_problem = check_entry(item, path, number, alphabet, features, model, least_frames)
             if isinstance(entry_or_problem, Entry):
                 entries.append(entry_or_problem)
             else:
@@ -140,7 +143,13 @@ def read_manifest(
 
 
 def check_entry(
-    item: object, manifest: Path, number: int, alphabet: Alphabet, features: FeatureConfig, model: ModelConfig
+    item: object,
+    manifest: Path,
+    number: int,
+    alphabet: Alphabet,
+    features: FeatureConfig,
+    model: ModelConfig,
+    least_frames: int = 1,
 ) -> Entry | str:
     """Line ``number`` of ``manifest``, parsed as ``item``: its :class:`Entry`, or what is wrong with it
     (the check :func:`read_manifest` makes of every line)."""
@@ -214,6 +223,12 @@ def check_entry(
         return (
             f"audio file {audio} is too short for its transcript: {samples / features.sample_rate:.2f} s "
             f"gives {frames} output frames, the {len(text)} characters need {needed}"
+        )
+    if frames < least_frames:
+        return (
+            f"audio file {audio} is too short to train on: {samples / features.sample_rate:.2f} s gives "
+            f"{frames} output frame(s); training takes {least_frames} or more (batch norm between the "
+            "recurrent layers over a batch of this one recording would have one value per channel)"
         )
     return Entry(audio, text, samples, number, start, taken)
 

@@ -783,7 +783,12 @@ def checked_manifests(config: TrainConfig) -> tuple[tuple | None, tuple[list[Ent
             pass
     alphabet = Alphabet(config.alphabet)
     train = read_manifest(
-        config.train_manifest, alphabet, config.features, config.model, what="--train-manifest"
+        config.train_manifest,
+        alphabet,
+        config.features,
+        config.model,
+        what="--train-manifest",
+        least_frames=2 if config.model.layers > 1 else 1,
     )
     test = read_manifest(
         config.test_manifest, alphabet, config.features, config.model, what="--test-manifest"
