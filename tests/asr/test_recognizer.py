@@ -160,6 +160,12 @@ def test_transcribe_batch_errors_name_the_waveform(checkpoint):
     # an integer of any type, as the sample rates (a numpy one was refused)
     expected = rec.transcribe_batch(audio, 8000, batch_size=1)
     assert rec.transcribe_batch(audio, 8000, batch_size=np.int64(1)) == expected
+    # a generator had "object of type 'generator' has no len()", a dict torch's "invalid data type 'str'"
+    for bad in ((a for a in audio), {"a": audio[0]}):
+        with pytest.raises(
+            TypeError, match=r"^waveforms: expected a sequence of recordings .*, got (generator|dict)"
+        ):
+            rec.transcribe_batch(bad, 8000)
 
 
 @pytest.mark.parametrize("cell", ["gru", "lstm"])

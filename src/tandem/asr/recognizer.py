@@ -219,6 +219,11 @@ class Recognizer:
             AudioError: an empty or silent recording, named ``waveforms[i]``.
         """
         batch_size = _check_batch_size(batch_size)
+        if isinstance(waveforms, Mapping) or not hasattr(waveforms, "__len__"):  # a generator, a dict
+            raise TypeError(
+                "waveforms: expected a sequence of recordings (a list of tensors or numpy arrays), got "
+                f"{type(waveforms).__name__}"
+            )
         # one rate: a number of any kind (int, float, numpy or 0-d tensor); else one per waveform
         rates = [sample_rate] * len(waveforms) if np.ndim(sample_rate) == 0 else list(sample_rate)
         if len(rates) != len(waveforms):
