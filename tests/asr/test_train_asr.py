@@ -135,6 +135,8 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
         # the blank's sign was dropped without a word; upper case can never occur in a transcript
         (("--alphabet", "_"), "--alphabet: '_' stands for the CTC blank and cannot be a character"),
         (("--alphabet", "Éé"), "--alphabet: transcripts are lower-cased, so 'É' can never occur; give 'é'"),
+        # nor other whitespace than the space: a run of it becomes one space (a class never seen)
+        (("--alphabet", "é\t\u00a0"), "--alphabet: whitespace in transcripts becomes one space"),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_written(tmp_path, args, message):

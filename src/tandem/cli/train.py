@@ -481,12 +481,18 @@ def _memory_available() -> int | None:
 
 
 def _check_alphabet(extra: str) -> str | None:
-    """Why ``--alphabet`` cannot add these characters: the blank's sign, or upper case (transcripts are
-    lower-cased, so an upper-case letter could never be a label)."""
+    """Why ``--alphabet`` cannot add these characters: the blank's sign, whitespace or upper case
+    (transcripts are lower-cased and their whitespace runs made one space, so neither could be a label)."""
     from tandem.asr.text import BLANK
 
     if BLANK in extra:
         return f"--alphabet: {BLANK!r} stands for the CTC blank and cannot be a character, got {extra!r}"
+    spaces = "".join(dict.fromkeys(c for c in extra if c.isspace() and c != " "))
+    if spaces:
+        return (
+            f"--alphabet: whitespace in transcripts becomes one space (' ', already a character), so "
+            f"{spaces!r} can never occur, got {extra!r}"
+        )
     upper = "".join(dict.fromkeys(c for c in extra if c != c.lower()))
     if upper:
         return (
