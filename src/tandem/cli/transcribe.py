@@ -157,8 +157,14 @@ def _plain_path(path: str) -> str:
 
 
 def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print(f"{PROG}: error: {_one_line(message)}", file=sys.stderr)
     return 2
+
+
+def _one_line(message: str) -> str:
+    """``message`` (which names a file) on one line: a newline or carriage return in a name as ``\\n``,
+    ``\\r``, so that each error is the one line on stderr the module docstring promises."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -196,7 +202,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for arg, result in zip(args.files, recognizer.iter_transcribe_files(sources, args.batch_size)):
             if result.error is not None:
                 failed += 1
-                print(f"{PROG}: error: {result.error}", file=sys.stderr, flush=True)
+                print(f"{PROG}: error: {_one_line(result.error)}", file=sys.stderr, flush=True)
                 if args.json:  # its line too, so that a reader of the JSON lines sees every file
                     _emit(_json_line({"path": arg, "text": None, "error": result.error}))
             elif args.json:
