@@ -284,6 +284,19 @@ def test_converged_and_max_change_of_a_compiled_step(backend):
     assert compiled[2][0] == float("inf")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_converged_compares_the_change_with_tol_itself(dtype):
+    """A first step of lr 0.1 moves each element by float32(0.1) = 0.10000000149 > 0.1: tol=0.1 was met
+    (tol rounded to float32 in the comparison); tol = that change is met."""
+    for tol, expected in ((0.1, False), (float(torch.tensor(0.1)), True)):
+        p = torch.zeros(3, dtype=dtype, requires_grad=True)
+        opt = Adagrad([p], lr=float(torch.tensor(0.1)), tol=tol)
+        p.grad = torch.ones(3, dtype=dtype)
+        opt.step()
+        assert opt.max_change.item() == float(torch.tensor(0.1))
+        assert bool(opt.converged) is expected, (tol, dtype)
+
+
 def test_converged_is_computed_without_host_sync(monkeypatch):
     params, set_grads = _quadratic()
     opt = Adagrad(params, lr=0.5, tol=1e-4, weight_decay=0.01)

@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
@@ -72,6 +73,16 @@ def check_hyperparameters(
         raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
     if not 0.0 <= eps:  # noqa: SIM300
         raise ValueError(f"Invalid epsilon value: {eps}")
+
+
+def _float32_at_most(value: float) -> float:
+    """The largest float32 number <= ``value``: a float32 change compares with it as with ``value`` itself
+    (``value`` rounded to float32, 0.1 to 0.10000000149, would take a change of that size for <= 0.1)."""
+    with np.errstate(over="ignore"):  # above float32's range: inf, then the largest float32
+        rounded = np.float32(value)
+    if float(rounded) > value:
+        rounded = np.nextafter(rounded, np.float32(-np.inf))
+    return float(rounded)
 
 
 class Adagrad(Optimizer):
@@ -358,7 +369,7 @@ class Adagrad(Optimizer):
                 largest = torch.stack([to_device(m, device) for m in maxima]).amax()
             else:  # no parameter had a gradient: nothing moved
                 largest = torch.zeros((), device=device)
-            converged = largest <= self.tol
+            converged = largest <= _float32_at_most(self.tol)  # (tol rounded up would take larger changes)
             if found_inf is not None:  # a skipped step says nothing about convergence
                 converged = converged & (to_device(found_inf, device) == 0)
             if self._max_change is None or self._converged is None or self._max_change.device != device:
