@@ -264,7 +264,8 @@ class Adagrad(Optimizer):
 
     @property
     def max_change(self) -> Tensor:
-        """0-d float32 tensor: the last step's ``max |p_new - p_old|`` (+inf before any step, or if NaN)."""
+        """0-d float32 tensor: the last step's ``max |p_new - p_old|`` (+inf before any step, or if NaN);
+        for a complex parameter, over its real and imaginary parts apart (not the modulus)."""
         if self.tol is None:
             raise RuntimeError("Adagrad: max_change is only tracked when tol is set, got tol=None")
         if self._max_change is None:
