@@ -613,7 +613,8 @@ def test_an_input_changed_in_place_before_backward_raises_where_torchs_does(
     ours.load_state_dict(ref.state_dict())
     outcomes = []
     for module in (ref, ours):
-        module.requires_grad_(not frozen)
+        if frozen:  # (made with requires_grad=True; outside inference mode that cannot be set again)
+            module.requires_grad_(False)
         x_leaf = torch.randn(5, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         h_leaf = torch.randn(1, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         x, h0 = x_leaf.requires_grad_() * 1, h_leaf.requires_grad_() * 1
@@ -842,3 +843,31 @@ def test_flop_counter_counts_the_matrix_products_as_torchs(name, kwargs, packed)
     assert torch_bwd < ours_bwd <= torch_bwd + first_steps
     if not packed:  # (torch's packed reverse direction computes some of them)
         assert ours_bwd == torch_bwd + first_steps
+
+
+@pytest.mark.parametrize("proj_size", [0, 2], ids=["", "proj"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_a_module_made_under_inference_mode_as_torch(torch_cls, tandem_cls, frozen, proj_size):
+    """Its parameters are inference tensors: torch's layers refuse to save them for backward (a
+    RuntimeError); tandem's ops saved copies and every parameter's gradient was silently lost."""
+    if proj_size and torch_cls is torch.nn.GRU:
+        pytest.skip("GRU has no projection")
+    kwargs = {"proj_size": proj_size} if proj_size else {}
+    outcomes = []
+    for cls in (torch_cls, tandem_cls):
+        with torch.inference_mode():
+            module = cls(3, 4, **kwargs)
+        if frozen:  # (made with requires_grad=True; outside inference mode that cannot be set again)
+            module.requires_grad_(False)
+        for x_grad in (False, True):
+            try:
+                out, _ = module(torch.randn(5, 2, 3, requires_grad=x_grad))
+                outcomes.append(("ok", out.requires_grad))
+            except RuntimeError as e:
+                outcomes.append((RuntimeError, str(e)))
+        with torch.no_grad():  # and without autograd, both run
+            outcomes.append(("ok", module(torch.randn(5, 2, 3))[0].requires_grad))
+    theirs, ours = outcomes[:3], outcomes[3:]
+    assert ours == theirs
+    assert theirs[1][0] is RuntimeError  # not vacuous

@@ -376,6 +376,19 @@ class RNNLayers(torch.nn.RNNBase):
         directions = 2 if self.bidirectional else 1
         self.check_hidden_size(state, (self.num_layers * directions, rows.mini_batch, size), message)
 
+    @staticmethod
+    def _refuse_inference_tensors(tensors: list[Tensor]) -> None:
+        """torch's error where its layer would save an inference tensor for backward (a module made under
+        ``torch.inference_mode``, trained outside it): tandem's ops save copies, and the parameters' gradients
+        were silently lost. Raised by a product that saves the tensor, in the installed torch's words."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if not any(t.requires_grad for t in tensors):
+            return
+        for t in tensors:
+            if t.is_inference():
+                torch.mul(t, torch.ones((), dtype=t.dtype, device=t.device, requires_grad=True))
+
     def _check_devices_and_dtypes(
         self, data: Tensor, states: dict[str, Tensor], weight: Tensor, exempt: tuple[str, ...] = ()
     ) -> None:
