@@ -871,3 +871,32 @@ def test_a_module_made_under_inference_mode_as_torch(torch_cls, tandem_cls, froz
     theirs, ours = outcomes[:3], outcomes[3:]
     assert ours == theirs
     assert theirs[1][0] is RuntimeError  # not vacuous
+
+
+class _Traced(torch.nn.Module):
+    def __init__(self, rnn: torch.nn.Module, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.rnn, self.norm, self.head = rnn, norm, torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, _ = self.rnn(x, h0) if isinstance(self.rnn, (torch.nn.GRU, tandem.nn.GRU)) else self.rnn(x)
+        return self.head(self.norm(out.permute(1, 2, 0)).permute(2, 0, 1)), out
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_torch_fx_symbolic_trace_keeps_the_layers_whole_as_torchs(torch_cls, tandem_cls):
+    """torch.fx keeps torch.nn's modules whole (leaves) and traced into tandem's, failing ("Proxy object
+    cannot be iterated"; SyncBatchNorm: "symbolically traced variables cannot be used as inputs to control
+    flow"): the same graph of call_module nodes now, and the traced model computes what the model does."""
+    graphs, results = [], []
+    x, h0 = torch.randn(5, 2, 3), torch.randn(2, 2, 4)
+    for rnn_cls, norm_cls in ((torch_cls, torch.nn.SyncBatchNorm), (tandem_cls, tandem.nn.SyncBatchNorm)):
+        torch.manual_seed(0)
+        model = _Traced(rnn_cls(3, 4, bidirectional=True), norm_cls(8)).eval()
+        traced = torch.fx.symbolic_trace(model)
+        graphs.append([(n.op, str(n.target)) for n in traced.graph.nodes])
+        results.append((traced(x, h0), model(x, h0)))
+    assert graphs[0] == graphs[1] and ("call_module", "rnn") in graphs[1]
+    for got, want in results:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(results[1][0], results[0][0])

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
+from tandem.nn._fx import fx_leaf
 from tandem.nn._rnn import RNNLayers, needs_formulas
 from tandem.ops.gru import gru as gru_layer
 from tandem.ops.gru.reference import gru_layer_autograd
@@ -69,6 +70,9 @@ class GRU(RNNLayers):
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: Tensor | None = None
     ) -> tuple[Tensor | PackedSequence, Tensor]:
+        traced = fx_leaf(self, (input,) if hx is None else (input, hx))  # torch.fx: a leaf, as torch's
+        if traced is not None:
+            return traced
         return self._dispatch(input, hx)
 
     def _forward(

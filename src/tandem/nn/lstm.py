@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
+from tandem.nn._fx import fx_leaf
 from tandem.nn._rnn import RNNLayers, needs_formulas
 from tandem.ops.lstm import lstm as lstm_layer
 from tandem.ops.lstm.onednn import (
@@ -125,6 +126,9 @@ class LSTM(RNNLayers):
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
+        traced = fx_leaf(self, (input,) if hx is None else (input, hx))  # torch.fx: a leaf, as torch's
+        if traced is not None:
+            return traced
         return self._dispatch(input, hx)
 
     def _forward(

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils.rnn import PackedSequence
 
+from tandem.nn._fx import fx_leaf
 from tandem.ops.syncbn import check_eps, sync_batch_norm, sync_group
 
 __all__ = ["SyncBatchNorm"]
@@ -187,6 +188,10 @@ class SyncBatchNorm(_BatchNorm):
     ) -> Tensor | PackedSequence:
         """Normalise ``input``; ``mask`` ``[N, *]`` or ``lengths`` ``[N]`` mark the real frames (see the
         class docstring). A PackedSequence comes back as a PackedSequence."""
+        args = (input,) if mask is None else (input, mask)
+        traced = fx_leaf(self, args, {} if lengths is None else {"lengths": lengths})  # torch.fx: a leaf
+        if traced is not None:
+            return traced
         if isinstance(input, PackedSequence):
             if mask is not None or lengths is not None:
                 raise ValueError(
