@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import tandem
 
@@ -900,3 +900,26 @@ def test_torch_fx_symbolic_trace_keeps_the_layers_whole_as_torchs(torch_cls, tan
     for got, want in results:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(results[1][0], results[0][0])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_weights_changed_before_backward_under_allow_mutation_on_saved_tensors(torch_cls, tandem_cls, packed):
+    """Under torch.autograd.graph.allow_mutation_on_saved_tensors() torch's layers take an optimizer step
+    between forward and backward (the gradients are those of the weights at forward time); tandem's version
+    check raised autograd's in-place error there."""
+    grads = []
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    for cls in (torch_cls, tandem_cls):
+        torch.manual_seed(0)
+        module = cls(3, 4, num_layers=2, bidirectional=True, dtype=torch.float64)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            inp = pack_padded_sequence(x, [5, 3]) if packed else x
+            out, _ = module(inp)
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.mul_(0.5)
+            (out.data if packed else out).square().sum().backward()
+        grads.append({n: p.grad for n, p in module.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)

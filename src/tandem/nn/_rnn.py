@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from tandem._backend import use_triton
-from tandem.ops._recompute import needs_autograd_ops, transformed, versions_unchanged
+from tandem.ops._recompute import mutation_allowed, needs_autograd_ops, transformed, versions_unchanged
 
 __all__ = ["Rows", "RNNLayers", "needs_formulas"]
 
@@ -150,7 +150,7 @@ class RNNLayers(torch.nn.RNNBase):
         parameters it was made from) has changed in place since now: a hook on ``copy``'s gradient, or
         where it needs none (frozen parameters: torch's ops save them all the same), the check added to
         ``frozen``."""
-        if not torch.is_grad_enabled() or transformed():
+        if not torch.is_grad_enabled() or transformed() or mutation_allowed():
             return
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return

@@ -78,6 +78,12 @@ def needs_autograd_ops(*tensors: Tensor | None) -> bool:
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def mutation_allowed() -> bool:
+    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is on: there autograd keeps what an
+    op saved as it was when a tensor changes in place, and raises no error (so no version check of ours)."""
+    return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))
+
+
 def versions_unchanged(
     tensors: Sequence[Tensor], names: Sequence[str], versions: Sequence[int], hint: str, grad: Tensor
 ) -> None:

@@ -20,7 +20,13 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from tandem._backend import use_triton
-from tandem.ops._recompute import grads_through, needs_autograd_ops, versions_unchanged, wants_graph
+from tandem.ops._recompute import (
+    grads_through,
+    mutation_allowed,
+    needs_autograd_ops,
+    versions_unchanged,
+    wants_graph,
+)
 from tandem.ops.syncbn import op as _op  # noqa: F401  (registers torch.ops.tandem.syncbn_*)
 from tandem.ops.syncbn.reference import (
     acc_dtype,
@@ -119,7 +125,8 @@ def sync_batch_norm(
         y = _SyncBatchNorm.apply(
             dense, weight, bias, mask, running_mean, running_var, training, momentum, eps, group
         )
-        if dense is not input and y.requires_grad and not torch.compiler.is_compiling():
+        checked = not (torch.compiler.is_compiling() or mutation_allowed())
+        if dense is not input and y.requires_grad and checked:
             # the op saved a copy: an in-place change of the input before backward raises autograd's error
             # all the same, as torch's batch norm, which saves the input itself
             try:
