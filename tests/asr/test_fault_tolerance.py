@@ -655,6 +655,8 @@ def test_a_full_disk_stops_the_run_with_a_clear_error_and_no_restarts(tmp_path):
     assert done.returncode == 1, done.stderr[-3000:]
     assert "tandem train: error: the checkpoint after step 5: " in done.stderr, done.stderr[-3000:]
     assert "checkpoint-00000005.pt: not written" in done.stderr and "No checkpoint of this run" in done.stderr
+    # nothing to resume from: the advice is to run the command again, not with --resume (which is refused)
+    assert "make room, then run the same command" in done.stderr and "--resume" not in done.stderr
     assert "Traceback" not in done.stderr and "torchrun exit status" not in done.stderr
     assert done.stdout.count("tandem train: speech recognition") == 1  # one launch: no restarts
     assert not list(out.glob("*.pt")) and not list(out.glob(".*tmp*"))

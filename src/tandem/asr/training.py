@@ -892,11 +892,13 @@ def _train(
             try:
                 store.save(run.state(), run.step)
             except CheckpointWriteError as e:
-                problem, advice = str(e), ": make room, then run the same command with --resume"
+                problem, advice = str(e), ": make room, then run the same command"
         if group.sum([float(problem is not None)])[0] == 0:
             return True
         if lead:
             newest = _newest_checkpoint(store)
+            if advice and store.latest()[0] is not None:  # (with none, --resume would find nothing)
+                advice += " with --resume"
             # through tqdm: on a line of its own, not after the progress bar
             tqdm.write(
                 f"tandem train: error: the checkpoint after step {run.step}: {problem}. {newest}{advice}",
