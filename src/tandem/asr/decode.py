@@ -21,7 +21,7 @@ def greedy_decode(log_probs: Tensor, frames: Tensor, alphabet: Alphabet) -> list
     Example::
 
         >>> from tandem.asr.text import ENGLISH
-        >>> ids = torch.tensor([0, 21, 21, 0, 15, 0, 0, 6])   # _ o o _ n _ _ e -> "one"
+        >>> ids = torch.tensor([0, 17, 17, 0, 16, 0, 0, 7])   # _ o o _ n _ _ e -> "one"
         >>> greedy_decode(torch.nn.functional.one_hot(ids, 29).float()[:, None], torch.tensor([8]), ENGLISH)
         ['one']
     """

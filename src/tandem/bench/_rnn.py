@@ -14,7 +14,7 @@ from tandem.bench.registry import Shape
 __all__ = ["GPU_SIZES", "rnn_shape", "rnn_provider", "with_kernel_settings"]
 
 # The GPU grid (shapes of the Triton kernels' issue), T, B, I, H; the last size is one where the
-# persistent kernels run (tandem train's default model is H64).
+# persistent kernels run (tandem train --task classify's GRU is H64).
 GPU_SIZES = ((1024, 16, 768, 768), (100, 32, 512, 512), (200, 64, 1024, 1024), (100, 32, 64, 64))
 
 

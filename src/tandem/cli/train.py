@@ -9,7 +9,7 @@ GPUs. Inside torchrun (``WORLD_SIZE`` set) this command is the worker itself, so
 Example::
 
     tandem train --out runs/asr                          # speech recognition, 2 processes
-    tandem train --out runs/asr --epochs 40 --resume     # continue the same run
+    tandem train --out runs/asr --resume                 # continue a run that was stopped
     tandem train --task classify --out runs/jv           # the Japanese Vowels classifier
 """
 
