@@ -1,7 +1,7 @@
 """``tandem.asr``: the main job's application, a DeepSpeech-style speech recognizer built from tandem's
-parts (the architecture: ``DESIGN.md`` in the project's shared folder): the bundled recordings and the connected-digit generator, log-mel
-features, the model, CTC decoding, error rates, training, reading recordings
-(:mod:`tandem.asr.audio`) and transcribing them (:class:`Recognizer`)."""
+parts (the architecture: ``DESIGN.md`` in the project's shared folder): the bundled recordings and the
+connected-digit generator, log-mel features, the model, CTC decoding, error rates, training, reading
+recordings (:mod:`tandem.asr.audio`) and transcribing them (:class:`Recognizer`)."""
 
 from __future__ import annotations
 
