@@ -64,6 +64,23 @@ def test_checkpoint_describes_itself(trained):
     assert state["epoch"] == 6 and state["world_size"] == 2 and "weight_hh_l0" in "".join(state["model"])
 
 
+def test_resuming_a_finished_run_says_it_is_finished(trained, tmp_path):
+    """``--resume`` of a run that trained all its epochs said "resuming at step 132 (epoch 7, batch 0)" for a
+    6-epoch run; it says that every epoch is done, trains nothing and keeps the weights."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    before = load_checkpoint(out / "checkpoint.pt")
+    args = ("--nproc", "2", "--epochs", "6", "--out", str(out), *SMALL, "--master-port", free_port())
+    done = tandem(*args, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "its checkpoint has trained all 6 epoch(s)" in done.stdout and "resuming at" not in done.stdout
+    after = load_checkpoint(out / "checkpoint.pt")
+    assert after["step"] == before["step"]
+    assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+
+
 def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was_written(tmp_path):
     blocked = tmp_path / "blocked"
     for package in ("matplotlib", "tensorboard"):

@@ -864,6 +864,8 @@ def _train(
         where = (
             f"; resuming at step {run.step} (epoch {run.epoch + 1}, batch {run.position})" if run.step else ""
         )
+        if run.step and run.epoch >= config.epochs:  # (it named an epoch past the last)
+            where = f"; its checkpoint has trained all {config.epochs} epoch(s) (a larger --epochs trains on)"
         print(
             f"tandem train: speech recognition, {cfg.conv_layers} conv + {cfg.layers} bidirectional "
             f"{cfg.cell.upper()} x {cfg.hidden} ({n_params / 1e6:.2f} M parameters); "
