@@ -11,6 +11,7 @@ import pytest
 import torch
 from _cli import tandem
 
+from tandem.asr.augment import FASTEST
 from tandem.asr.corpus import load_spoken_digits
 from tandem.asr.features import FeatureConfig, resample
 from tandem.asr.generator import ConnectedDigits, split_recordings
@@ -582,9 +583,14 @@ def test_a_recording_of_one_output_frame_is_refused_for_training_naming_it(tmp_p
     (entry,) = read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
     with pytest.raises(ManifestError, match=r":1: audio file .*clip.wav is too short to train on: .* 1 out"):
         read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig(), least_frames=2)
+    # 520 samples give two frames, and one once speed perturbation's fastest (1.1x) shortens them
+    soundfile.write(str(clip), np.random.default_rng(0).uniform(-0.3, 0.3, 520), 8000, subtype="PCM_16")
+    read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig(), least_frames=2)
+    with pytest.raises(ManifestError, match=r"gives 2 output frame\(s\) \(1 when sped up 1.1x\)"):
+        read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig(), least_frames=2, shortest=FASTEST)
     done = tandem(
         "--train-manifest", str(path), "--test-manifest", str(path), "--nproc", "1", "--layers", "2",
-        "--batch-size", "1", "--epochs", "1", "--out", str(tmp_path / "run"),
+        "--batch-size", "1", "--epochs", "1", "--augment", "on", "--out", str(tmp_path / "run"),
     )  # fmt: skip
     assert done.returncode == 2 and "too short to train on" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

@@ -11,10 +11,12 @@ from torch import Tensor
 
 from tandem.asr.features import resample
 
-__all__ = ["Augmentation"]
+__all__ = ["FASTEST", "Augmentation"]
 
 # Speed factors as rational resampling ratios (orig : 20): 0.9x ... 1.1x, as Kaldi's speed perturbation.
 _SPEED_ORIG = (18, 19, 20, 21, 22)
+# The fastest perturbation's length ratio (new : orig): a recording's shortest form in training
+FASTEST = (20, max(_SPEED_ORIG))
 
 
 @dataclass(frozen=True)

@@ -96,10 +96,12 @@ def read_manifest(
     *,
     what: str = "--train-manifest",
     least_frames: int = 1,
+    shortest: tuple[int, int] = (1, 1),
 ) -> list[Entry]:
     """Every line of the manifest ``path``, checked (see the module docstring); a recording gives at least
     ``least_frames`` output frames (2 to train a model with batch norms between its recurrent layers: a
-    batch of one recording of one frame would hold one value per channel, torch's error mid-run).
+    batch of one recording of one frame would hold one value per channel, torch's error mid-run), when
+    shortened to ``shortest[0] / shortest[1]`` of its length (speed perturbation's fastest).
 
     Raises:
         ManifestError: naming ``what`` (the option), the manifest, and each line's problem.
@@ -126,7 +128,9 @@ def read_manifest(
         except json.JSONDecodeError as e:
             problem = f"invalid JSON ({e.msg} at column {e.colno})"
         else:
-            entry_or_problem = check_entry(item, path, number, alphabet, features, model, least_frames)
+            entry_or_problem = check_entry(
+                item, path, number, alphabet, features, model, least_frames, shortest
+            )
             if isinstance(entry_or_problem, Entry):
                 entries.append(entry_or_problem)
             else:
@@ -150,6 +154,7 @@ def check_entry(
     features: FeatureConfig,
     model: ModelConfig,
     least_frames: int = 1,
+    shortest: tuple[int, int] = (1, 1),
 ) -> Entry | str:
     """Line ``number`` of ``manifest``, parsed as ``item``: its :class:`Entry`, or what is wrong with it
     (the check :func:`read_manifest` makes of every line)."""
@@ -224,10 +229,13 @@ def check_entry(
             f"audio file {audio} is too short for its transcript: {samples / features.sample_rate:.2f} s "
             f"gives {frames} output frames, the {len(text)} characters need {needed}"
         )
-    if frames < least_frames:
+    fastest = -(-samples * shortest[0] // shortest[1])  # as speed perturbation's resampling rounds it
+    fewest = int(model.output_frames(features.frames(fastest)))
+    if fewest < least_frames:
+        sped = f" ({fewest} when sped up {shortest[1] / shortest[0]:g}x)" if fastest != samples else ""
         return (
             f"audio file {audio} is too short to train on: {samples / features.sample_rate:.2f} s gives "
-            f"{frames} output frame(s); training takes {least_frames} or more (batch norm between the "
+            f"{frames} output frame(s){sped}; training takes {least_frames} or more (batch norm between the "
             "recurrent layers over a batch of this one recording would have one value per channel)"
         )
     return Entry(audio, text, samples, number, start, taken)

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import tandem
 from tandem.asr.audio import AudioError
-from tandem.asr.augment import Augmentation
+from tandem.asr.augment import FASTEST, Augmentation
 from tandem.asr.batch import Batch, collate
 from tandem.asr.checkpoint import (
     CheckpointError,
@@ -789,6 +789,7 @@ def checked_manifests(config: TrainConfig) -> tuple[tuple | None, tuple[list[Ent
         config.model,
         what="--train-manifest",
         least_frames=2 if config.model.layers > 1 else 1,
+        shortest=FASTEST if config.augment else (1, 1),
     )
     test = read_manifest(
         config.test_manifest, alphabet, config.features, config.model, what="--test-manifest"
