@@ -561,14 +561,15 @@ def test_a_model_moved_after_the_optimizer_was_made_is_refused_before_any_change
     assert torch.equal(opt.state[weight]["step"], before[2])
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "two-groups"])
 @pytest.mark.parametrize("grad_shape", [(3,), (2, 2)], ids=["longer", "wider"])
-def test_a_gradient_of_another_shape_is_torchs_error_before_any_change(grad_shape):
+def test_a_gradient_of_another_shape_is_torchs_error_before_any_change(grad_shape, groups):
     """A gradient set through ``.data`` that torch's per-tensor ops refuse: torch's error, raised after
     torch has updated the parameters before it (and counted the step); here before any change."""
 
     def attempt(cls):
         a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
-        opt = cls([a, b], lr=0.1)
+        opt = cls([a, b] if groups == 1 else [{"params": [a]}, {"params": [b]}], lr=0.1)
         a.grad, b.grad = torch.ones(2), torch.ones(2)
         b.grad.data = torch.ones(grad_shape)
         return _raised(opt.step), a.detach(), [opt.state[p].get("step") for p in (a, b)]

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from tandem._device import to_device
-from tandem.ops.adagrad import adagrad_unchecked, hyperparameters, step_device
+from tandem.ops.adagrad import adagrad_unchecked, hyperparameters, refuse_early, step_device
 
 try:  # torch's check of fused=True, with its message (a private helper: absent, nothing is checked)
     from torch.optim.optimizer import _device_dtype_check_for_fused
@@ -342,6 +342,11 @@ class Adagrad(Optimizer):
                     lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"]
                 )
                 work.append((group, hyper, params, grads, sums, steps))
+
+        if len(work) > 1:  # (one group's are tried by the update itself, before it moves anything)
+            for _, (lr, lr_decay, weight_decay, eps, maximize), params, grads, sums, steps in work:
+                hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
+                refuse_early(params, grads, sums, steps, hyper)
 
         maxima: list[Tensor] = []
         with torch.set_grad_enabled(self.defaults["differentiable"]):

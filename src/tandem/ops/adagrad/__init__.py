@@ -10,7 +10,7 @@ from tandem._device import to_device
 from tandem.ops.adagrad.op import adagrad_step_dispatch
 from tandem.ops.adagrad.reference import adagrad_tensor_ref, unscale_like_grad_scaler_
 
-__all__ = ["adagrad", "adagrad_unchecked", "hyperparameters", "step_device"]
+__all__ = ["adagrad", "adagrad_unchecked", "hyperparameters", "refuse_early", "step_device"]
 
 _PROBE = torch.empty(0)
 
@@ -179,7 +179,7 @@ def adagrad_unchecked(
 
     hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
     if plain and (groups or len(plain) > 1):  # what the per-tensor path refuses, before anything moves
-        _refuse_early([params[i] for i in plain], [grads[i] for i in plain], [state_sums[i] for i in plain],
+        refuse_early([params[i] for i in plain], [grads[i] for i in plain], [state_sums[i] for i in plain],
                       [state_steps[i] for i in plain], hyper)  # fmt: skip
 
     maxima: list[Tensor] = []
@@ -237,7 +237,7 @@ def _check(i: int, p: Tensor, g: Tensor, s: Tensor, t: Tensor) -> None:
         )
 
 
-def _refuse_early(
+def refuse_early(
     params: list[Tensor], grads: list[Tensor], sums: list[Tensor], steps: list[Tensor], hyper: dict
 ) -> None:
     """Raise what the per-tensor path would raise part-way through a step, before any parameter moves: a
