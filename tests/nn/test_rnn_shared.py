@@ -923,3 +923,30 @@ def test_weights_changed_before_backward_under_allow_mutation_on_saved_tensors(t
         grads.append({n: p.grad for n, p in module.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+
+
+@pytest.mark.parametrize("inference", ["input", "state"])
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_an_inference_input_or_state_of_a_frozen_layer_as_torch(torch_cls, tandem_cls, inference):
+    """Frozen weights, an input or initial state made under inference_mode and the other requiring grad:
+    torch's layers run (nothing saves the inference tensor); tandem's refusal of inference tensors must
+    keep to the weights."""
+    results = []
+    for cls in (torch_cls, tandem_cls):
+        torch.manual_seed(0)
+        module = cls(3, 4).requires_grad_(False)
+        with torch.inference_mode():
+            made = torch.randn(5, 2, 3) if inference == "input" else torch.randn(1, 2, 4)
+        x = made if inference == "input" else torch.randn(5, 2, 3, requires_grad=True)
+        h0 = made if inference == "state" else torch.randn(1, 2, 4, requires_grad=True)
+        hx = h0 if cls in (torch.nn.GRU, tandem.nn.GRU) else (h0, torch.zeros(1, 2, 4))
+        try:
+            out, _ = module(x, hx)
+            out.sum().backward()
+            results.append(("ok", (x if inference == "state" else h0).grad))
+        except RuntimeError as e:
+            results.append((RuntimeError, str(e)))
+    theirs, ours = results
+    assert ours[0] == theirs[0], (ours, theirs)
+    if theirs[0] == "ok":
+        torch.testing.assert_close(ours[1], theirs[1])

@@ -377,17 +377,18 @@ class RNNLayers(torch.nn.RNNBase):
         self.check_hidden_size(state, (self.num_layers * directions, rows.mini_batch, size), message)
 
     @staticmethod
-    def _refuse_inference_tensors(tensors: list[Tensor]) -> None:
-        """torch's error where its layer would save an inference tensor for backward (a module made under
-        ``torch.inference_mode``, trained outside it): tandem's ops save copies, and the parameters' gradients
-        were silently lost. Raised by a product that saves the tensor, in the installed torch's words."""
+    def _refuse_inference_weights(weights: list[Tensor], inputs: list[Tensor]) -> None:
+        """torch's error where its layer would save a weight that is an inference tensor for backward (a
+        module made under ``torch.inference_mode``, run with autograd outside it): tandem's ops save copies
+        of the weights, and their gradients were silently lost. Raised by a product that saves the weight, in
+        the installed torch's words. (An inference input or state: the ops save it and raise themselves.)"""
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        if not any(t.requires_grad for t in tensors):
+        if not any(t.requires_grad for t in (*weights, *inputs)):
             return
-        for t in tensors:
-            if t.is_inference():
-                torch.mul(t, torch.ones((), dtype=t.dtype, device=t.device, requires_grad=True))
+        for w in weights:
+            if w.is_inference():
+                torch.mul(w, torch.ones((), dtype=w.dtype, device=w.device, requires_grad=True))
 
     def _check_devices_and_dtypes(
         self, data: Tensor, states: dict[str, Tensor], weight: Tensor, exempt: tuple[str, ...] = ()

@@ -108,7 +108,7 @@ class GRU(RNNLayers):
             self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
         self._check_state_size(rows, hx, self.hidden_size, "Expected hidden size {}, got {}")
         self._check_devices_and_dtypes(rows.data, {"hx": hx}, weights_now["weight_ih_l0"])
-        self._refuse_inference_tensors([rows.data, hx, *weights_now.values()])
+        self._refuse_inference_weights(list(weights_now.values()), [rows.data, hx])
         if dtype is None:  # (autocast casts the weights)
             self._check_weight_dtypes(weights_now, rows.data)
         self._to_rows(rows)

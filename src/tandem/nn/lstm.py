@@ -207,7 +207,7 @@ class LSTM(RNNLayers):
         self._check_devices_and_dtypes(
             rows.data, {"hx": hx[0], "cx": hx[1]}, weights_now["weight_ih_l0"], exempt=("cx",) * float_cx
         )
-        self._refuse_inference_tensors([rows.data, *hx, *weights_now.values()])
+        self._refuse_inference_weights(list(weights_now.values()), [rows.data, *hx])
         if dtype is None and not torch_onednn:
             # (autocast casts the weights; oneDNN's op, which runs there, checks them as torch's does)
             self._check_weight_dtypes(weights_now, rows.data)
