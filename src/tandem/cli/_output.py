@@ -1,4 +1,5 @@
-"""A training process's standard output that may fail (a closed pipe, a full disk) without ending the run."""
+"""A training process's standard output and error that may fail (a closed pipe, a full disk) without
+ending the run."""
 
 from __future__ import annotations
 
@@ -6,14 +7,15 @@ import os
 import sys
 from typing import Any, TextIO
 
-__all__ = ["keep_going_without_stdout"]
+__all__ = ["keep_going_without_output"]
 
 
-class _ForgivingStdout:
-    """``stream`` (sys.stdout) whose first failed write or flush sends the rest of its output to the null
-    device: one note on stderr, then the process goes on. Everything else is the stream's own."""
+class _ForgivingStream:
+    """``stream`` (sys.stdout or sys.stderr) whose first failed write or flush sends the rest of its output
+    to the null device: ``note`` on stderr once (where stderr still works), then the process goes on.
+    Everything else is the stream's own."""
 
-    def __init__(self, stream: TextIO, note: str) -> None:
+    def __init__(self, stream: TextIO, note: str | None) -> None:
         self._stream, self._note, self._lost = stream, note, False
 
     def write(self, text: str) -> int:
@@ -35,21 +37,28 @@ class _ForgivingStdout:
         self._lost = True
         # what the stream still holds goes to the null device at its next flush (at exit), so the
         # interpreter's own flush does not fail (an "Exception ignored" report, exit status 120)
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), self._stream.fileno())
-        reason = error.strerror or type(error).__name__
-        print(f"{self._note} ({reason})", file=sys.stderr, flush=True)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), self._stream.fileno())
+        except OSError:
+            pass
+        if self._note is not None:
+            reason = error.strerror or type(error).__name__
+            print(f"{self._note} ({reason})", file=sys.stderr, flush=True)  # (forgiving too)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
-def keep_going_without_stdout(note: str) -> None:
-    """From now on a failing sys.stdout loses this process's messages, not its work: ``note`` (and the
-    reason) on stderr once, then its output goes to the null device. A no-op if stdout has no file."""
-    try:
-        sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # replaced by something without a descriptor
-        return
-    if not isinstance(sys.stdout, _ForgivingStdout):
-        sys.stdout = _ForgivingStdout(sys.stdout, note)  # type: ignore[assignment]
+def keep_going_without_output(note: str) -> None:
+    """From now on a failing sys.stdout or sys.stderr (``| head``, ``2>&1 | head``, a log on a full disk)
+    loses this process's messages, not its work: for stdout ``note`` (and the reason) on stderr once; then
+    the stream's output goes to the null device. A stream without a file descriptor is left as it is."""
+    for name, said in (("stderr", None), ("stdout", note)):
+        stream = getattr(sys, name)
+        try:
+            stream.fileno()
+        except (AttributeError, OSError, ValueError):  # replaced by something without a descriptor
+            continue
+        if not isinstance(stream, _ForgivingStream):
+            setattr(sys, name, _ForgivingStream(stream, said))

@@ -43,7 +43,7 @@ from tandem.cli._args import (
     wait_seconds,
     workers,
 )
-from tandem.cli._output import keep_going_without_stdout
+from tandem.cli._output import keep_going_without_output
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "DEFAULTS"]
 
@@ -535,8 +535,8 @@ def asr_config(args: argparse.Namespace):
 
 def _work(args: argparse.Namespace) -> int:
     """Train in this process (one rank of torchrun's group, or the only process)."""
-    # `tandem train | head`, a log on a full disk: the run goes on and writes its files
-    keep_going_without_stdout(
+    # `tandem train | head`, `2>&1 | head`, a log on a full disk: the run goes on and writes its files
+    keep_going_without_output(
         f"tandem train: standard output failed; the run goes on without printing there and writes its "
         f"results to {args.out}"
     )
