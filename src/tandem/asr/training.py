@@ -719,10 +719,15 @@ def _starting_state(
 
 def _newest_checkpoint(store: CheckpointStore) -> str:
     """Which checkpoint a --resume would continue from, as a sentence."""
+    return _newest(store)[0]
+
+
+def _newest(store: CheckpointStore) -> tuple[str, bool]:
+    """:func:`_newest_checkpoint`'s sentence, and whether there is one (the store read once)."""
     state, path, _ = store.latest()
     if state is None:
-        return f"No checkpoint of this run is in {store.folder}"
-    return f"The newest complete one is {path} (step {state.get('step')})"
+        return f"No checkpoint of this run is in {store.folder}", False
+    return f"The newest complete one is {path} (step {state.get('step')})", True
 
 
 def _test_set_name(config: TrainConfig) -> str:
@@ -899,8 +904,8 @@ def _train(
         if group.sum([float(problem is not None)])[0] == 0:
             return True
         if lead:
-            newest = _newest_checkpoint(store)
-            if advice and store.latest()[0] is not None:  # (with none, --resume would find nothing)
+            newest, found = _newest(store)
+            if advice and found:  # (with none, --resume would find nothing)
                 advice += " with --resume"
             # through tqdm: on a line of its own, not after the progress bar
             tqdm.write(
