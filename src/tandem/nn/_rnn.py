@@ -84,9 +84,7 @@ class RNNLayers(torch.nn.RNNBase):
             got = weights.get(name)
             if want is not None and name in weights and got is None:  # set to None: torch's op's TypeError
                 raise TypeError(f"{self.mode}: expected a Tensor for {name}, got None")
-            # (under torch.jit.trace every shape is a traced value: the comparison warned 24 times a trace,
-            # of weights whose shapes the trace cannot change)
-            if want is None or got is None or (not torch.jit.is_tracing() and tuple(got.shape) != want):
+            if want is None or got is None or tuple(got.shape) != want:
                 settings = ", ".join(
                     f"{k}={getattr(self, k)}"
                     for k in ("input_size", "hidden_size", "num_layers", "bias", "bidirectional", "proj_size")

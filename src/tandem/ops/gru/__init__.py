@@ -70,8 +70,8 @@ def _check_args(x, batch_sizes, h0, w_ih, w_hh, b_ih, b_hh) -> None:
         "b_ih": (b_ih, [d_, 3 * hid]),
         "b_hh": (b_hh, [d_, 3 * hid]),
     }
-    for name, (t, shape) in expected.items():  # (not under jit.trace: a TracerWarning each, shapes fixed)
-        if t is not None and not torch.jit.is_tracing() and list(t.shape) != shape:
+    for name, (t, shape) in expected.items():
+        if t is not None and list(t.shape) != shape:
             raise ValueError(f"gru: expected {name} of shape {shape} (from x and h0), got {list(t.shape)}")
     if (b_ih is None) != (b_hh is None):
         raise ValueError("gru: expected both b_ih and b_hh or neither, got only one")
