@@ -757,3 +757,23 @@ def test_one_signal_delivered_twice_is_one_stop_request(monkeypatch):
     clock[0] += 0.3
     alone._handle(signal.SIGINT, None)
     assert exits[-1] == 128 + signal.SIGINT and len(exits) == 3
+
+
+def test_ctrl_c_with_both_outputs_on_a_closed_pipe_stops_the_run(tmp_path):
+    """``tandem train 2>&1 | head -1``, then Ctrl-C: the launcher's signal handler wrote its note to the
+    closed pipe first and died of BrokenPipeError, so the ranks never heard of the stop and trained on. The
+    launcher's output forgives the pipe too: the ranks stop after a checkpoint, status 130."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "train", *ON_CPU, "--nproc", "2", *TINY, "--out", str(out)]
+        + ["--master-port", free_port()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(), start_new_session=True,
+    )  # fmt: skip
+    proc.stdout.close()  # the reader is gone before the first line
+    try:
+        wait_for(out / "checkpoint-00000005.pt", proc)
+        os.kill(proc.pid, signal.SIGINT)
+    finally:
+        code = finish(proc, out)
+    assert code == 130
+    assert 5 <= load_checkpoint(out / "checkpoint.pt")["step"] < 22 and not (out / "metrics.json").exists()

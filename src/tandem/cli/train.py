@@ -535,11 +535,6 @@ def asr_config(args: argparse.Namespace):
 
 def _work(args: argparse.Namespace) -> int:
     """Train in this process (one rank of torchrun's group, or the only process)."""
-    # `tandem train | head`, `2>&1 | head`, a log on a full disk: the run goes on and writes its files
-    keep_going_without_output(
-        f"tandem train: standard output failed; the run goes on without printing there and writes its "
-        f"results to {args.out}"
-    )
     if args.task == "asr":
         from tandem.asr.training import Checkpointing, train
 
@@ -594,6 +589,12 @@ def _train_parser_actions() -> list[argparse.Action]:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Validate everything, then train here (under torchrun, or one process) or launch torchrun."""
     args = _with_defaults(args)
+    # `tandem train | head`, `2>&1 | head`, a log on a full disk: the run goes on and writes its files (the
+    # launcher too: its Ctrl-C handler writes to stderr before it passes the stop on to the ranks)
+    keep_going_without_output(
+        f"tandem train: standard output failed; the run goes on without printing there and writes its "
+        f"results to {args.out}"
+    )
     if "WORLD_SIZE" in os.environ:  # a torchrun worker
         problem = _check_torchrun_environment()
         if problem:
