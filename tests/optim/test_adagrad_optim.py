@@ -542,13 +542,15 @@ def test_a_model_converted_after_the_optimizer_was_made_steps_as_torchs(dtype):
         assert torch.equal(got, want)
 
 
-def test_a_model_moved_after_the_optimizer_was_made_is_refused_before_any_change():
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-group", "two-groups"])
+def test_a_model_moved_after_the_optimizer_was_made_is_refused_before_any_change(groups):
     """``opt = Adagrad(model.parameters()); model.cuda()``: the sums stay behind. torch's per-tensor ops
     refuse it (a RuntimeError) after updating the parameters before it; tandem's kernels would read the
-    sums through the wrong device's addresses. A RuntimeError that says so, nothing changed."""
+    sums through the wrong device's addresses. A RuntimeError that says so, nothing changed (in any group:
+    the check once ran group by group, after the earlier groups had moved)."""
     model = torch.nn.Linear(3, 2)
-    opt = Adagrad(model.parameters(), lr=0.1)
     weight, bias = model.parameters()
+    opt = Adagrad([weight, bias] if groups == 1 else [{"params": [weight]}, {"params": [bias]}], lr=0.1)
     # a parameter and its state on two devices, as model.cuda() leaves them: a CPU tensor's .data takes
     # no other device here, so the bias's state goes to "meta" instead
     opt.state[bias]["sum"] = opt.state[bias]["sum"].to("meta")

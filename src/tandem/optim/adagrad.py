@@ -13,7 +13,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from tandem._device import to_device
-from tandem.ops.adagrad import adagrad_unchecked, hyperparameters, refuse_early, step_device
+from tandem.ops.adagrad import (
+    adagrad_unchecked,
+    check_state_device,
+    hyperparameters,
+    refuse_early,
+    step_device,
+)
 
 try:  # torch's check of fused=True, with its message (a private helper: absent, nothing is checked)
     from torch.optim.optimizer import _device_dtype_check_for_fused
@@ -344,7 +350,11 @@ class Adagrad(Optimizer):
                 work.append((group, hyper, params, grads, sums, steps))
 
         if len(work) > 1:  # (one group's are tried by the update itself, before it moves anything)
+            index = 0  # a parameter's among those with gradients, as one group's update counts them
             for _, (lr, lr_decay, weight_decay, eps, maximize), params, grads, sums, steps in work:
+                for p, s, t in zip(params, sums, steps):
+                    check_state_device(index, p, s, t)
+                    index += 1
                 hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
                 refuse_early(params, grads, sums, steps, hyper)
 

@@ -10,7 +10,14 @@ from tandem._device import to_device
 from tandem.ops.adagrad.op import adagrad_step_dispatch
 from tandem.ops.adagrad.reference import adagrad_tensor_ref, unscale_like_grad_scaler_
 
-__all__ = ["adagrad", "adagrad_unchecked", "hyperparameters", "refuse_early", "step_device"]
+__all__ = [
+    "adagrad",
+    "adagrad_unchecked",
+    "check_state_device",
+    "hyperparameters",
+    "refuse_early",
+    "step_device",
+]
 
 _PROBE = torch.empty(0)
 
@@ -147,14 +154,7 @@ def adagrad_unchecked(
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
     plain: list[int] = []
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
-        if s.device != p.device or t.device != step_device(p.device):
-            # the model moved (``model.cuda()``) after the optimizer was made: torch's ops refuse it after
-            # changing the parameters before it; here nothing has changed yet
-            raise RuntimeError(
-                f"Adagrad: the state of parameter {i} is on {s.device} (its step count on {t.device}), the "
-                f"parameter on {p.device}: was the model moved after the optimizer was made? Make the "
-                "optimizer after moving the model"
-            )
+        check_state_device(i, p, s, t)
         if (
             differentiable
             or g.is_sparse
@@ -234,6 +234,18 @@ def _check(i: int, p: Tensor, g: Tensor, s: Tensor, t: Tensor) -> None:
         raise ValueError(
             f"adagrad: expected state_steps[{i}] to be a 0-d float32 tensor on {step_device(p.device)}, "
             f"got {t.dim()}-d {t.dtype} on {t.device}"
+        )
+
+
+def check_state_device(i: int, p: Tensor, s: Tensor, t: Tensor) -> None:
+    """Refuse parameter ``i`` whose state (sum ``s``, step ``t``) is on another device: the model moved
+    (``model.cuda()``) after the optimizer was made. torch's ops refuse it after changing the parameters
+    before it; here nothing has changed yet."""
+    if s.device != p.device or t.device != step_device(p.device):
+        raise RuntimeError(
+            f"Adagrad: the state of parameter {i} is on {s.device} (its step count on {t.device}), the "
+            f"parameter on {p.device}: was the model moved after the optimizer was made? Make the "
+            "optimizer after moving the model"
         )
 
 
