@@ -81,6 +81,10 @@ def check_hyperparameters(
         raise ValueError(f"Invalid epsilon value: {eps}")
 
 
+# What torch.optim.Adagrad's __setstate__ fills in for a group that lacks them (an older checkpoint's)
+GROUP_DEFAULTS = {"foreach": None, "maximize": False, "differentiable": False, "fused": None}
+
+
 def _float32_at_most(value: float) -> float:
     """The largest float32 number <= ``value``: a float32 change compares with it as with ``value`` itself
     (``value`` rounded to float32, 0.1 to 0.10000000149, would take a change of that size for <= 0.1)."""
@@ -226,10 +230,8 @@ class Adagrad(Optimizer):
                     )
         super().__setstate__(state)
         for group in self.param_groups:
-            group.setdefault("foreach", None)
-            group.setdefault("maximize", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("fused", None)
+            for key, default in GROUP_DEFAULTS.items():
+                group.setdefault(key, default)
             for p in group["params"]:
                 p_state = self.state.get(p)
                 if not p_state or "step" not in p_state:

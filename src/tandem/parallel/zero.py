@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 
 from tandem.ops.adagrad import adagrad_unchecked, hyperparameters
 from tandem.ops.adagrad.reference import fused_adagrad_supported
-from tandem.optim.adagrad import check_hyperparameters
+from tandem.optim.adagrad import GROUP_DEFAULTS, check_hyperparameters
 from tandem.parallel.comm import (
     all_reduce,
     check_same_on_all_ranks,
@@ -652,8 +652,7 @@ class ZeroAdagrad(Optimizer):
                 group.update(loaded, params=params)
                 if names is not None:
                     group.setdefault("param_names", names)
-                defaults = {"foreach": None, "maximize": False, "differentiable": False, "fused": None}
-                for key, default in defaults.items():
+                for key, default in GROUP_DEFAULTS.items():
                     group.setdefault(key, default)
             for i, (pid, p) in enumerate(zip(ids, self._params)):
                 # The whole state is replaced, as torch's: a parameter the dict has no state for starts
