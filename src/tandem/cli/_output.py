@@ -3,11 +3,12 @@ ending the run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any, TextIO
 
-__all__ = ["keep_going_without_output"]
+__all__ = ["keep_going_without_output", "to_null_device"]
 
 
 class _ForgivingStream:
@@ -35,19 +36,22 @@ class _ForgivingStream:
 
     def _lose(self, error: OSError) -> None:
         self._lost = True
-        # what the stream still holds goes to the null device at its next flush (at exit), so the
-        # interpreter's own flush does not fail (an "Exception ignored" report, exit status 120)
-        try:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), self._stream.fileno())
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            to_null_device(self._stream)
         if self._note is not None:
             reason = error.strerror or type(error).__name__
             print(f"{self._note} ({reason})", file=sys.stderr, flush=True)  # (forgiving too)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+def to_null_device(stream: TextIO) -> None:
+    """Point ``stream``'s file descriptor at the null device after a write to it failed: what it still
+    holds goes there at its next flush (at exit), so the interpreter's own flush does not fail (an
+    "Exception ignored" report, exit status 120; Python's documented remedy for a broken pipe)."""
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), stream.fileno())
 
 
 def keep_going_without_output(note: str) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from tandem.bench import runner
 from tandem.cli._args import nonempty_path, positive_float, threads
+from tandem.cli._output import to_null_device
 
 __all__ = ["DESCRIPTION", "add_arguments", "run", "main"]
 
@@ -157,9 +158,9 @@ def _to_stdout(write: Callable[[], None]) -> int:
     try:
         write()
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        to_null_device(sys.stdout)
     except OSError as e:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit)
+        to_null_device(sys.stdout)
         print(f"tandem bench: error: writing to standard output: {e.strerror or e}", file=sys.stderr)
         return 1
     return 0

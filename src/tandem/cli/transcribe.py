@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from tandem.cli._args import nonempty_path, positive_int
+from tandem.cli._output import to_null_device
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -139,12 +139,6 @@ def _emit(line: str) -> None:
         raise _OutputError(e.strerror or str(e)) from e
 
 
-def _drop_stdout() -> None:
-    """Standard output to /dev/null after it failed: flushing it at exit would raise once more (Python's
-    documented remedy for a broken pipe)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
 def _plain_path(path: str) -> str:
     """``path`` as a ``path<TAB>text`` line starts: as it is, or escaped and marked with a leading
     backslash (see the module docstring) when a newline, carriage return or tab in it would break the line,
@@ -216,10 +210,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             else:
                 _emit(f"{_plain_path(arg)}\t{result.text}")
     except BrokenPipeError:  # `tandem transcribe ... | head`: the reader left; nothing more to say
-        _drop_stdout()
+        to_null_device(sys.stdout)
         return 1
     except _OutputError as e:  # the transcripts are lost: nothing was delivered
-        _drop_stdout()
+        to_null_device(sys.stdout)
         return _fail(f"writing the transcripts to standard output: {e}")
     except KeyboardInterrupt:  # Ctrl-C: what was printed stands; one line, the shell's status for SIGINT
         print(f"{PROG}: interrupted", file=sys.stderr)
