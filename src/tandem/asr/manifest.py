@@ -230,7 +230,7 @@ def check_entry(
             f"gives {frames} output frames, the {len(text)} characters need {needed}"
         )
     fastest = -(-samples * shortest[0] // shortest[1])  # as speed perturbation's resampling rounds it
-    fewest = int(model.output_frames(features.frames(fastest)))
+    fewest = frames if fastest == samples else int(model.output_frames(features.frames(fastest)))
     if fewest < least_frames:
         sped = f" ({fewest} when sped up {shortest[1] / shortest[0]:g}x)" if fastest != samples else ""
         return (

@@ -867,11 +867,11 @@ def _train(
     cfg = config.model
     if lead:
         n_params = sum(p.numel() for p in run.model.parameters())
-        where = (
-            f"; resuming at step {run.step} (epoch {run.epoch + 1}, batch {run.position})" if run.step else ""
-        )
-        if run.step and run.epoch >= config.epochs:  # (it named an epoch past the last)
+        where = ""
+        if run.step and run.epoch >= config.epochs:  # (an epoch past the last is no place to resume at)
             where = f"; its checkpoint has trained all {config.epochs} epoch(s) (a larger --epochs trains on)"
+        elif run.step:
+            where = f"; resuming at step {run.step} (epoch {run.epoch + 1}, batch {run.position})"
         print(
             f"tandem train: speech recognition, {cfg.conv_layers} conv + {cfg.layers} bidirectional "
             f"{cfg.cell.upper()} x {cfg.hidden} ({n_params / 1e6:.2f} M parameters); "

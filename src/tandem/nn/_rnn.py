@@ -46,9 +46,8 @@ class Rows:
     unsorted_indices: Tensor | None = None
     checked: Tensor | None = None  # what torch's check_forward_args looks at (input or packed data)
     given_batch_sizes: Tensor | None = None  # a PackedSequence's own, where ``batch_sizes`` drops its 0s
-    step_sizes: list[int] | None = (
-        None  # ``batch_sizes`` as Python ints, for a padded input (known from its shape)
-    )
+    # ``batch_sizes`` as Python ints, for a padded input (known from its shape)
+    step_sizes: list[int] | None = None
 
 
 class RNNLayers(torch.nn.RNNBase):
