@@ -792,19 +792,18 @@ class _LaunchSignals:
         importing holds it, and stops after its first step), until every rank of this node has it."""
         if self.pending is None or len(self.received) != 1:
             return
-        for pid in _children(self.proc.pid):
-            if pid not in self._signalled:
-                self._signalled.add(pid)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, self.pending)
+        self._signalled.update(self._to_ranks(self.pending, skip=self._signalled))
         if len(self._signalled) >= self._ranks:
             self.pending = None
 
-    def _to_ranks(self, signum: int) -> None:
-        """Send ``signum`` to torchrun's children, this node's ranks."""
-        for pid in _children(self.proc.pid):
+    def _to_ranks(self, signum: int, skip: set[int] | None = None) -> list[int]:
+        """Send ``signum`` to torchrun's children, this node's ranks, but those in ``skip``; returns the
+        pids it went to."""
+        sent = [pid for pid in _children(self.proc.pid) if not skip or pid not in skip]
+        for pid in sent:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
+        return sent
 
 
 def _launch(args: argparse.Namespace) -> int:
