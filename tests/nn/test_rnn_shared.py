@@ -902,6 +902,19 @@ def test_torch_fx_symbolic_trace_keeps_the_layers_whole_as_torchs(torch_cls, tan
     torch.testing.assert_close(results[1][0], results[0][0])
 
 
+@pytest.mark.parametrize("torch_cls, tandem_cls", [*PAIRS, (torch.nn.SyncBatchNorm, tandem.nn.SyncBatchNorm)])
+def test_torch_fx_symbolic_trace_of_a_layer_itself_fails_as_torchs(torch_cls, tandem_cls):
+    """Traced as the root, torch's layers fail on their control flow (TraceError); tandem's SyncBatchNorm
+    raised ValueError "expected mask or lengths, got both" (its optional arguments are proxies there)."""
+    errors = []
+    for cls in (torch_cls, tandem_cls):
+        module = cls(4) if cls in (torch.nn.SyncBatchNorm, tandem.nn.SyncBatchNorm) else cls(3, 4)
+        with pytest.raises(Exception) as caught:
+            torch.fx.symbolic_trace(module)
+        errors.append(caught.type)
+    assert errors[1] is errors[0] is torch.fx.proxy.TraceError
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
 def test_weights_changed_before_backward_under_allow_mutation_on_saved_tensors(torch_cls, tandem_cls, packed):

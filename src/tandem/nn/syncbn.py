@@ -201,6 +201,7 @@ class SyncBatchNorm(_BatchNorm):
             # a graph break (torch 2.13's dynamo), and a model with one fails to compile
             data, batch_sizes, sorted_indices, unsorted_indices = input
             return PackedSequence(self._normalize(data, None), batch_sizes, sorted_indices, unsorted_indices)
+        self._check_input_dim(input)  # first, as torch's (traced as the root by torch.fx: its TraceError)
         if mask is not None and lengths is not None:
             raise ValueError("SyncBatchNorm: expected mask or lengths, got both")
         if lengths is not None:
