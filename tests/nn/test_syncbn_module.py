@@ -1036,6 +1036,9 @@ def test_training_without_num_batches_tracked_raises_torchs_assertion():
         m.num_batches_tracked = None
     ours, theirs = (_outcome(m, torch.randn(4, 3)) for m in mods)
     assert theirs == (AssertionError, "num_batches_tracked must not be None") == ours
+    # torch checks the channels first: an input of none is its ValueError (tandem's assertion came first)
+    ours, theirs = (_outcome(m, torch.randn(4, 0)) for m in mods)
+    assert theirs == ours and theirs[0] is ValueError
 
 
 @pytest.mark.parametrize(

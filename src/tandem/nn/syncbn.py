@@ -132,8 +132,6 @@ class SyncBatchNorm(_BatchNorm):
         return self.training or (self.running_mean is None and self.running_var is None)
 
     def _check_channels(self, input: Tensor, mask: Tensor | None) -> None:
-        if input.size(1) == 0:
-            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
         per_channel = (self.weight, self.bias, self.running_mean, self.running_var)
         if any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin) for t in per_channel):
             return  # a lazy module converted before its first forward: F.batch_norm's error, as torch's
@@ -210,6 +208,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def _normalize(self, input: Tensor, mask: Tensor | None) -> Tensor:
         self._check_input_dim(input)
+        if input.size(1) == 0:  # torch's order: the dimensions, the channels, then num_batches_tracked
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
         if self.training and self.track_running_stats and self.num_batches_tracked is None:
             raise AssertionError("num_batches_tracked must not be None")  # torch.nn.SyncBatchNorm's check
         self._check_channels(input, mask)
