@@ -230,12 +230,16 @@ def test_a_sigterm_to_the_ranks_as_they_start_stops_the_run_after_its_first_step
 def test_a_rank_killed_as_the_ranks_start_is_restarted_at_once(reference, tmp_path):
     """torchrun ends the other rank with a SIGTERM before it restarts the group: that one, held while the
     rank imported, was taken for a stop request, and the rank waited for the others' step until torchrun
-    killed it 30 s later. It ends at once now, and the restarted group trains the uninterrupted run."""
+    killed it 30 s later. It ends at once now, and the restarted group trains the uninterrupted run.
+    The folder held an earlier run: rank 0, killed before it set that run aside, came back as a restart,
+    which took the earlier run's checkpoints for this launch's (here: trained nothing, said "done"); the
+    launcher sets them aside now, before any rank starts."""
     out = tmp_path / "run"
+    shutil.copytree(reference, out)
     args = ("--nproc", "2", *TINY, "--out", str(out), "--master-port", free_port())
     proc = start(*args, log=tmp_path / "log")
     try:
-        survivor, victim = _starting_ranks(out, proc)
+        victim, survivor = _starting_ranks(out, proc)
         time.sleep(0.3)
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
@@ -249,6 +253,8 @@ def test_a_rank_killed_as_the_ranks_start_is_restarted_at_once(reference, tmp_pa
     log = (tmp_path / "log").read_text()
     assert code == 0 and ended_after < 15, (ended_after, log[-3000:])
     _assert_same_run(out, reference)
+    _assert_same_run(out / "previous", reference)  # the earlier run, set aside
+    assert "has trained all" not in log, log[-3000:]
 
 
 def test_a_second_ctrl_c_as_the_ranks_start_leaves_no_process(tmp_path):

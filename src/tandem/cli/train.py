@@ -629,6 +629,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         problem = held or _check_resume(args)
         if problem:
             return _fail(parser, problem)
+        if not args.resume and args.node_rank == 0:
+            # here, where torchrun's restarts never come back: rank 0 did it, and a rank 0 that died
+            # before it had (killed, out of memory) came back as a restart, which takes the folder's
+            # checkpoints for this launch's: the earlier run was trained on, or overwritten
+            from tandem.asr.checkpoint import CheckpointStore
+
+            CheckpointStore(args.out).set_aside_and_say()
         return _train_or_launch(args)
 
 
