@@ -488,6 +488,23 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
     assert not any(p.exists() for p in partial)  # removed by the run that holds the folder
 
 
+def test_a_checkpoint_of_another_version_is_not_skipped_for_an_older_one(reference, tmp_path):
+    """--resume skipped the newest checkpoints as unreadable when another tandem (a newer one) wrote them,
+    continued from an older one of this version, and its saves replaced and rotated them away."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    newest = CheckpointStore(out).numbered()[-1]
+    for path in (newest, out / "checkpoint.pt"):
+        state = torch.load(path, weights_only=True)
+        torch.save({**state, "version": state["version"] + 1}, path)
+    before = {p.name: p.read_bytes() for p in out.glob("checkpoint*.pt")}
+    done = tandem("--nproc", "1", *TINY, "--epochs", "2", "--out", str(out), "--resume", timeout=120)
+    assert done.returncode == 2 and "checkpoint version 2, this tandem reads version 1" in done.stderr, (
+        done.stdout[-2000:] + done.stderr[-2000:]
+    )
+    assert {p.name: p.read_bytes() for p in out.glob("checkpoint*.pt")} == before
+
+
 def test_no_readable_checkpoint_is_a_clear_refusal(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

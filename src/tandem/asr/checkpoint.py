@@ -17,6 +17,7 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "CheckpointError",
+    "CheckpointVersionError",
     "CheckpointStore",
     "CheckpointWriteError",
     "atomic_write",
@@ -32,6 +33,11 @@ _REQUIRED = ("model_config", "feature_config", "alphabet", "model")
 
 class CheckpointError(ValueError):
     """A file that is not a readable recognizer checkpoint of a version this tandem knows."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint of a version this tandem does not read (another tandem's, a newer one's): no run may
+    go on past it from an older checkpoint, whose saves would replace and rotate it away."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -145,8 +151,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             "`tandem train --task classify`?)"
         )
     if state.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path}: checkpoint version {state.get('version')!r}, this tandem reads version {VERSION}"
+        raise CheckpointVersionError(
+            f"{path}: checkpoint version {state.get('version')!r}, this tandem reads version {VERSION} "
+            "(written by another tandem: use that one)"
         )
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
@@ -283,7 +290,8 @@ class CheckpointStore:
         self, map_location: str | torch.device = "cpu"
     ) -> tuple[dict[str, Any] | None, Path | None, list[str]]:
         """(state, its path, problems of the newer files skipped), or (None, None, problems) when no
-        checkpoint in the folder can be read."""
+        checkpoint in the folder can be read, or when one of another version comes before a readable one
+        (a run resumed from the older one would replace and delete it)."""
         skipped: list[str] = []
         candidates = [self.path] + list(reversed(self.numbered()))
         for path in dict.fromkeys(candidates):
@@ -291,6 +299,8 @@ class CheckpointStore:
                 continue
             try:
                 return load_checkpoint(path, map_location), path, skipped
+            except CheckpointVersionError as e:
+                return None, None, [*skipped, str(e)]
             except CheckpointError as e:
                 skipped.append(str(e))
         return None, None, skipped
