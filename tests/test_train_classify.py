@@ -249,8 +249,36 @@ def test_resume_from_a_file_that_is_no_classify_checkpoint_is_one_error(tmp_path
     args = ("--nproc", "2", "--epochs", "1", "--hidden", "8", "--layers", "1", "--resume")
     done = _tandem(*args, "--out", str(out), "--master-port", free_port(), timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert f"tandem train: error: --resume: {out / 'checkpoint.pt'}: cannot resume from it" in done.stderr
+    expected = f"tandem train: error: --resume: {out / 'checkpoint.pt'}: not a readable checkpoint (truncated"
+    assert expected in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and done.stdout.count("tandem train: GRU") <= 1
+
+
+@pytest.mark.parametrize("case", ["changed-in-place", "incomplete"])
+def test_resume_from_a_damaged_or_incomplete_checkpoint_is_one_error(tmp_path, case):
+    """A checkpoint whose bytes changed in place (a bad disk, a copy gone wrong) was resumed from, its
+    changed weights taken as numbers; one without its history ended in a KeyError traceback. Both are
+    refused as the speech task refuses them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    state = {"config": {}, "model": {"w": torch.full((1000,), 0.5)}, "optimizer": {}, "epoch": 1}
+    state |= {"history": [], "train_seconds": 1.0}
+    if case == "incomplete":
+        del state["history"]
+    torch.save(state, out / "checkpoint.pt")
+    if case == "changed-in-place":
+        data = (out / "checkpoint.pt").read_bytes()
+        at = data.index(np.full(1000, 0.5, np.float32).tobytes())
+        (out / "checkpoint.pt").write_bytes(data[:at] + np.float32(7.0).tobytes() + data[at + 4 :])
+    done = _tandem("--nproc", "1", "--epochs", "2", *SMALL, "--out", str(out), "--resume", timeout=120)
+    expected = {
+        "changed-in-place": "a corrupt checkpoint (",
+        "incomplete": "incomplete checkpoint, missing ['history']",
+    }[case]
+    assert done.returncode == 2 and f"--resume: {out / 'checkpoint.pt'}: {expected}" in done.stderr, (
+        done.stderr[-3000:]
+    )
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("to", ["launcher", "every process"])

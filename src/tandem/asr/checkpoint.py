@@ -23,6 +23,7 @@ __all__ = [
     "atomic_write",
     "save_checkpoint",
     "load_checkpoint",
+    "read_checkpoint_file",
     "not_written",
 ]
 
@@ -114,9 +115,10 @@ def not_written(path: Path, error: BaseException, size: int | None = None) -> st
     return f"{path}: not written ({reason}); {free}{need}"
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a recognizer checkpoint; any file that is not one (missing, truncated, another kind of
-    checkpoint, a newer version) raises :class:`CheckpointError` naming the file and the problem."""
+def read_checkpoint_file(path: str | Path, map_location: str | torch.device = "cpu") -> Any:
+    """What a checkpoint file of ``tandem train`` (either task) holds, read by ``torch.load`` with weights
+    only once the file is found whole: :class:`CheckpointError` naming the file if it is missing, not a
+    regular file, damaged in place (a member whose checksum does not match) or unreadable."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(
@@ -144,6 +146,14 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
         problem = f"not a readable checkpoint (truncated or corrupt?): {detail}"
         raise CheckpointError(f"{path}: {problem}") from None
+    return state
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a recognizer checkpoint; any file that is not one (missing, truncated, another kind of
+    checkpoint, a newer version) raises :class:`CheckpointError` naming the file and the problem."""
+    path = Path(path)
+    state = read_checkpoint_file(path, map_location)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(
             f"{path}: not a speech-recognizer checkpoint (expected format {FORMAT!r}, got "

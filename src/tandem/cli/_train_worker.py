@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import tandem
-from tandem.asr.checkpoint import CheckpointStore, atomic_write
+from tandem.asr.checkpoint import CheckpointError, CheckpointStore, atomic_write, read_checkpoint_file
 from tandem.asr.distributed import Group, pick_device, pin_to_cores, rank_threads
 from tandem.asr.interrupt import collective_exit, die_with_torchrun
 from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
@@ -59,6 +59,22 @@ def _plot(history: list[dict[str, float]], path: Path) -> bool:
     atomic_write(lambda tmp: fig.savefig(tmp, format="png", dpi=110), path)
     plt.close(fig)
     return True
+
+
+# what a checkpoint of this task holds (see the end of _train)
+_CHECKPOINT_KEYS = ("config", "model", "optimizer", "epoch", "history", "train_seconds")
+
+
+def _read_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
+    """This task's checkpoint at ``path``, checked as the speech task's are (a file damaged in place, or
+    cut short, is refused; see :func:`read_checkpoint_file`), or :class:`CheckpointError`."""
+    checkpoint = read_checkpoint_file(path, device)
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("config"), dict):
+        raise CheckpointError(f"{path}: not a checkpoint of tandem train --task classify")
+    missing = [k for k in _CHECKPOINT_KEYS if k not in checkpoint]
+    if missing:
+        raise CheckpointError(f"{path}: incomplete checkpoint, missing {missing}")
+    return checkpoint
 
 
 def _evaluate(model, data: SequenceData, group: Group, device: torch.device, batch: int) -> tuple[float, int]:
@@ -134,13 +150,10 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
         # an earlier run's files (this task's, or a speech recognizer's) go aside, as tandem train's do
         CheckpointStore(args.out).set_aside_and_say()
     if args.resume:
-        try:
-            checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=True)
-            if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("config"), dict):
-                raise ValueError("not a checkpoint of tandem train --task classify")
-        except Exception as e:  # any unreadable file: one line, exit 2, no torchrun restarts into it
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            _error(lead, f"--resume: {checkpoint_path}: cannot resume from it ({reason})")
+        try:  # any unreadable file: one line, exit 2, no torchrun restarts into it
+            checkpoint = _read_checkpoint(checkpoint_path, device)
+        except CheckpointError as e:
+            _error(lead, f"--resume: {e}")
             return 2
         changed = {
             k: (checkpoint["config"].get(k), v)
