@@ -246,6 +246,7 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "epoch": epoch + 1,
+                "epochs": args.epochs,  # the run's plan, which --resume without --epochs keeps
                 "history": history,
                 "config": run_config,
                 "train_seconds": seconds_before + time.perf_counter() - started,

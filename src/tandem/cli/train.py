@@ -86,7 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hidden", type=positive_int, help="hidden size per direction (default: asr 128, classify 64)"
     )
     parser.add_argument("--layers", type=layers, help="recurrent layers (default: asr 3, classify 2)")
-    parser.add_argument("--epochs", type=epochs, help="epochs in total (default: asr 48, classify 20)")
+    parser.add_argument(
+        "--epochs",
+        type=epochs,
+        help="epochs in total (default: asr 48, classify 20; with --resume, the run's own)",
+    )
     parser.add_argument("--lr", type=positive_float, help="Adagrad learning rate (default: 0.05)")
     parser.add_argument(
         "--batch-size", type=positive_int, help="global batch, split over processes (default: 32)"
@@ -588,7 +592,10 @@ def _train_parser_actions() -> list[argparse.Action]:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Validate everything, then train here (under torchrun, or one process) or launch torchrun."""
+    planned = _planned_epochs(args) if args.resume and args.epochs is None else None
     args = _with_defaults(args)
+    if planned is not None:
+        args.epochs = planned
     # `tandem train | head`, `2>&1 | head`, a log on a full disk: the run goes on and writes its files (the
     # launcher too: its Ctrl-C handler writes to stderr before it passes the stop on to the ranks)
     keep_going_without_output(
@@ -637,6 +644,24 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
             CheckpointStore(args.out).set_aside_and_say()
         return _train_or_launch(args)
+
+
+def _planned_epochs(args: argparse.Namespace) -> int | None:
+    """The epochs the run in --out was started with, which --resume without --epochs trains to (the task's
+    default extended a 2-epoch run to 48, its learning-rate schedule with it), or None where no
+    checkpoint says (one unreadable is refused later, by the checks of a resume)."""
+    from tandem.asr.checkpoint import CheckpointError, CheckpointStore, read_checkpoint_file
+
+    out = args.out if args.out is not None else DEFAULTS[args.task]["out"]
+    try:
+        if args.task == "asr":
+            state = CheckpointStore(out).latest()[0] or {}
+            epochs = state.get("train_config", {}).get("epochs")
+        else:
+            epochs = read_checkpoint_file(Path(out) / "checkpoint.pt").get("epochs")
+    except (CheckpointError, AttributeError, OSError):
+        return None
+    return epochs if isinstance(epochs, int) and epochs > 0 else None
 
 
 def _in_thread(compute: Callable[[], object]) -> object:
