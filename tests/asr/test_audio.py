@@ -182,6 +182,37 @@ def test_a_wav_written_as_a_stream_with_a_data_size_of_0_is_read_to_its_end(tmp_
     assert read_header(path) == (1600, 16000) and path.read_bytes() == bytes(stream)
 
 
+def _rf64_stream(fmt: bytes, after_data: bytes) -> bytes:
+    """An RF64 WAV as ffmpeg writes one into a pipe (``-f wav -rf64 always``): its RIFF size 0xFFFFFFFF, a
+    ds64 chunk of zeros (no size known yet), ``fmt``, and a data chunk whose size is 0xFFFFFFFF
+    followed by ``after_data``."""
+    ds64 = b"ds64" + struct.pack("<I", 28) + bytes(28)
+    chunks = ds64 + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", 0xFFFFFFFF)
+    return b"RF64" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + chunks + after_data
+
+
+def test_an_rf64_wav_written_as_a_stream_is_read_to_its_end(tmp_path):
+    """ffmpeg's RF64 into a pipe (a ds64 of zeros, the data size 0xFFFFFFFF) was refused as 'empty
+    recording (0 samples)': libsndfile takes the ds64's data size, 0. Its samples are read to the end
+    (the whole frames: a partial one at the end is dropped), from a file or a stream, and counted by
+    read_header; an empty one followed by a chunk stays empty."""
+    from tandem.asr.audio import read_header
+
+    fmt = struct.pack("<HHIIHH", 1, 2, 8000, 32000, 4, 16)  # PCM, stereo, 8 kHz, 16-bit
+    pcm = (np.arange(2 * 1500).reshape(1500, 2) * 17 - 20000).astype("<i2")
+    path = tmp_path / "ff.wav"
+    path.write_bytes(_rf64_stream(fmt, pcm.tobytes() + b"\x01\x02\x03"))
+    expected = torch.from_numpy((pcm.T / 2.0**15).astype(np.float32))
+    for source in (path, io.BytesIO(path.read_bytes())):
+        waveform, rate = read_audio(source, name="ff")
+        assert rate == 8000 and torch.equal(waveform, expected)
+    assert read_header(path) == (1500, 8000)
+    tag = b"LIST" + struct.pack("<I", 12) + b"INFOINAM" + struct.pack("<I", 0)
+    path.write_bytes(_rf64_stream(fmt, tag))
+    with pytest.raises(AudioError, match=r"^ff: empty recording \(0 samples\)$"):
+        read_audio(path, name="ff")
+
+
 def _riff(*chunks: tuple[bytes, bytes], riff_size: int | None = None) -> bytes:
     """A RIFF WAVE file of ``(id, body)`` chunks (padded to even sizes); ``riff_size`` for the RIFF
     header's own (default: the true one)."""

@@ -241,8 +241,9 @@ def _cut_short(found: tuple[bytes, int | None, int, int] | None) -> tuple[bytes,
 def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
     """``f``'s container (its key in :data:`_CONTAINERS`), the bytes of samples its header announces
     (None for a stream's placeholder), the bytes after the sample chunk's header, and where a RIFF WAV's
-    data size is (-1 in other containers); None if ``f`` is none of :data:`_CONTAINERS` or its header
-    ends before its samples. ``f`` is left at 0."""
+    data size is (an RF64/BW64 stream's: its ds64's 64-bit data size; -1 in other containers and other
+    RF64 files); None if ``f`` is none of :data:`_CONTAINERS` or its header ends before its samples.
+    ``f`` is left at 0."""
     f.seek(0, io.SEEK_END)
     end = f.tell()
     f.seek(0)
@@ -256,6 +257,7 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
             return None
         f.seek(first)
         ds64 = None  # RF64/BW64: the data size held for the data chunk whose own size is 0xFFFFFFFF
+        ds64_at = -1  # and where it is
         while True:
             header = f.read(id_len + size_len)
             if len(header) < id_len + size_len:
@@ -264,6 +266,7 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
             if chunk == b"ds64" and head[:4] != b"RIFF":
                 body = f.read(16)
                 ds64 = int.from_bytes(body[8:16], "little") if len(body) == 16 else None
+                ds64_at = f.tell() - len(body) + 8
                 f.seek(-len(body), io.SEEK_CUR)
             if chunk == sample_id:
                 held = end - f.tell() - skip
@@ -271,6 +274,10 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
                     known = size not in _WAV_UNKNOWN_SIZES or (size == 0 and _chunk_follows(f, head, end))
                     return head[:4], (size if known else None), held, f.tell() - size_len
                 if ds64 is not None and size == 0xFFFFFFFF:
+                    # ffmpeg writing RF64 into a pipe leaves its ds64 zeros (the sizes are not known
+                    # yet): a placeholder, as RIFF's data size 0 is, unless a chunk follows (empty)
+                    if ds64 == 0 and not _chunk_follows(f, head, end):
+                        return head[:4], None, held, ds64_at
                     size = ds64
                 size -= counted + skip
                 return head[:4], (size if size > 0 else None), held, -1
@@ -283,12 +290,12 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
 
 
 def _chunk_follows(f: BinaryIO, head: bytes, end: int) -> bool:
-    """Whether a RIFF WAV's data chunk of size 0, whose header ``f`` has just been read (``head``: the
-    file's first bytes, ``end``: its size), is empty for real: another chunk follows it (a tag appended
-    after an empty recording), as libsndfile reads it. It is a stream's placeholder, read to the end,
-    where the RIFF size says the file ends at that header (written before the samples), or the bytes
-    after it are no chunk header: an id of printable ASCII (a space not first) and a size within the
-    file. ``f`` is left where it was."""
+    """Whether a RIFF WAV's data chunk of size 0 (or an RF64's whose ds64 says 0), whose header ``f`` has
+    just been read (``head``: the file's first bytes, ``end``: its size), is empty for real: another
+    chunk follows it (a tag appended after an empty recording), as libsndfile reads it. It is a stream's
+    placeholder, read to the end, where the RIFF size says the file ends at that header (written before
+    the samples), or the bytes after it are no chunk header: an id of printable ASCII (a space not first)
+    and a size within the file. ``f`` is left where it was."""
     at = f.tell()
     riff = int.from_bytes(head[4:8], "little")
     if riff not in _WAV_UNKNOWN_SIZES and riff + 8 <= at:
@@ -324,14 +331,18 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 def _unknown_size_read_whole(f: BinaryIO, found: tuple[bytes, int | None, int, int] | None) -> BinaryIO:
     """``f``, or a copy of it whose WAV data size 0 (a stream's placeholder, which libsndfile reads as no
-    samples at all) says 0xFFFFFFFF (another one, which it reads to the end); ``found``: what
-    :func:`_sample_chunk` found in ``f``."""
+    samples at all) says 0xFFFFFFFF (another one, which it reads to the end), or whose RF64/BW64 ds64
+    data size 0 (ffmpeg's into a pipe, also read as no samples; libsndfile has no placeholder there) says
+    the bytes the file holds after the data chunk's header (libsndfile reads the whole frames in them);
+    ``found``: what :func:`_sample_chunk` found in ``f``."""
     if found is None or found[1] is not None or found[3] < 0 or found[2] <= 0:
         return f
     data = bytearray(f.read())
     f.seek(0)
     at = found[3]
-    if data[at : at + 4] == bytes(4):
+    if found[0] != b"RIFF":
+        data[at : at + 8] = found[2].to_bytes(8, "little")
+    elif data[at : at + 4] == bytes(4):
         data[at : at + 4] = b"\xff" * 4
     return io.BytesIO(bytes(data))
 
