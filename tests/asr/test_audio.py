@@ -131,19 +131,29 @@ CONTAINERS = [
     ("W64", "MS_ADPCM", "Wave64"),
     ("AIFF", "PCM_16", "AIFF"),
     ("AIFF", "ALAW", "AIFF"),
+    ("RIFX", "PCM_16", "RIFX WAV"),
+    ("RIFX", "FLOAT", "RIFX WAV"),
+    ("AU", "PCM_24", "AU"),
+    ("AU-LE", "ULAW", "AU"),
+    ("NIST", "PCM_16", "NIST SPHERE"),
+    ("NIST", "ALAW", "NIST SPHERE"),
 ]
+# the containers above that are another's format in another byte order (soundfile's format, endian)
+ENDIAN = {"RIFX": ("WAV", "BIG"), "AU-LE": ("AU", "LITTLE")}
 
 
 @pytest.mark.parametrize("container, subtype, name", CONTAINERS)
 def test_a_recording_cut_short_is_refused_in_every_container_that_says_its_size(
     tmp_path, container, subtype, name
 ):
-    """RF64 (what ffmpeg and broadcast recorders write past 4 GB), Wave64 and AIFF cut short were read in
-    part without a word (only RIFF WAV was checked); whole, every one reads as soundfile reads it."""
+    """RF64 (what ffmpeg and broadcast recorders write past 4 GB), Wave64, AIFF, RIFX (big-endian WAV), AU
+    and NIST SPHERE cut short were read in part without a word (only RIFF WAV was checked); whole, every
+    one reads as soundfile reads it."""
     from tandem.asr.audio import wav_truncation
 
     data = io.BytesIO()
-    sf.write(data, _noise(8001, 2), 8000, format=container, subtype=subtype)
+    fmt, endian = ENDIAN.get(container, (container, "FILE"))
+    sf.write(data, _noise(8001, 2), 8000, format=fmt, subtype=subtype, endian=endian)
     whole = data.getvalue()
     path = tmp_path / "whole.audio"
     path.write_bytes(whole)
@@ -160,6 +170,56 @@ def test_a_recording_cut_short_is_refused_in_every_container_that_says_its_size(
         for source in (path, io.BytesIO(whole[:cut])):
             with pytest.raises(AudioError, match=f"a truncated {name} file: its header announces"):
                 read_audio(source, name=str(path))
+
+
+def test_rifx_au_and_nist_sphere_sizes_are_their_headers_and_streams_are_read_whole(tmp_path):
+    """Headers written by hand: a RIFX WAV's big-endian data size, an AU's data size and offset (big- or
+    little-endian), a NIST SPHERE's sample_count x sample_n_bytes x channel_count after its text header
+    are the bytes announced; cut short, each is refused with them and the bytes held. A stream's
+    placeholders (RIFX's as RIFF's, AU's 0xFFFFFFFF) are read to the end, and a compressed SPHERE's
+    sizes are not taken for its samples'."""
+    from tandem.asr.audio import wav_truncation
+
+    pcm = (np.arange(200).reshape(100, 2) * 300 - 30000).astype(np.int16)  # 100 frames, 2 channels
+    expected = torch.from_numpy((pcm.T / 2.0**15).astype(np.float32))
+    fmt = b"fmt " + struct.pack(">IHHIIHH", 16, 1, 2, 8000, 32000, 4, 16)
+    samples = b"data" + struct.pack(">I", 400) + pcm.astype(">i2").tobytes()
+    rifx = b"RIFX" + struct.pack(">I", 4 + len(fmt) + len(samples)) + b"WAVE" + fmt + samples
+    au = b".snd" + struct.pack(">IIIII", 28, 400, 3, 8000, 2) + b"note" + pcm.astype(">i2").tobytes()
+    au_le = b"dns." + struct.pack("<IIIII", 24, 400, 3, 8000, 2) + pcm.astype("<i2").tobytes()
+
+    def sphere(coding: str) -> bytes:
+        fields = ["sample_count -i 100", "sample_n_bytes -i 2", "channel_count -i 2", "sample_rate -i 8000"]
+        fields += [f"sample_coding -s{len(coding)} {coding}", "sample_byte_format -s2 01", "end_head"]
+        return "\n".join(["NIST_1A", "   1024", *fields, ""]).encode().ljust(1024, b" ")
+
+    nist = sphere("pcm") + pcm.astype("<i2").tobytes()
+    for name, data, header_bytes in (
+        ("RIFX WAV", rifx, 44),
+        ("AU", au, 28),
+        ("AU", au_le, 24),
+        ("NIST SPHERE", nist, 1024),
+    ):
+        path = tmp_path / "whole.audio"
+        path.write_bytes(data)
+        waveform, rate = read_audio(path)
+        assert rate == 8000 and torch.equal(waveform, expected), name
+        assert wav_truncation(io.BytesIO(data)) is None
+        cut = data[: header_bytes + 250]
+        assert wav_truncation(io.BytesIO(cut)) == (400, 250), name
+        message = (
+            f"^cut: a truncated {name} file: its header announces 400 bytes of samples, the file holds 250 "
+        )
+        with pytest.raises(AudioError, match=message):
+            read_audio(cut, name="cut")
+    at = rifx.index(b"data") + 4
+    for size in (0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF):
+        streamed = rifx[:at] + struct.pack(">I", size) + rifx[at + 4 :]
+        assert wav_truncation(io.BytesIO(streamed)) is None
+        assert torch.equal(read_audio(streamed)[0], expected), hex(size)
+    streamed = au[:8] + b"\xff" * 4 + au[12:]
+    assert wav_truncation(io.BytesIO(streamed)) is None and torch.equal(read_audio(streamed)[0], expected)
+    assert wav_truncation(io.BytesIO(sphere("pcm,embedded-shorten-v2.00") + bytes(76))) is None
 
 
 def test_a_wav_written_as_a_stream_with_a_data_size_of_0_is_read_to_its_end(tmp_path):

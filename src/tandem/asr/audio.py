@@ -186,6 +186,7 @@ _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF)
 # sample chunk's id and the bytes in it before the samples (AIFF's SSND: offset and block size)
 _CONTAINERS = {
     b"RIFF": (12, (8, b"WAVE"), 4, 4, "little", 0, 2, b"data", 0),
+    b"RIFX": (12, (8, b"WAVE"), 4, 4, "big", 0, 2, b"data", 0),  # big-endian WAV
     b"RF64": (12, (8, b"WAVE"), 4, 4, "little", 0, 2, b"data", 0),  # EBU's 64-bit WAV: sizes in ds64
     b"BW64": (12, (8, b"WAVE"), 4, 4, "little", 0, 2, b"data", 0),
     b"riff": (40, (24, b"wave"), 16, 8, "little", 24, 8, b"data", 0),  # Sony Wave64 (GUIDs)
@@ -193,20 +194,30 @@ _CONTAINERS = {
 }
 _CONTAINER_NAMES = {
     b"RIFF": "WAV",
+    b"RIFX": "RIFX WAV",
     b"RF64": "RF64 WAV",
     b"BW64": "BW64 WAV",
     b"riff": "Wave64",
     b"FORM": "AIFF",
+    b".snd": "AU",
+    b"dns.": "AU",  # little-endian (libsndfile writes it on request)
+    b"NIST": "NIST SPHERE",
 }
+# What a NIST SPHERE header's sample_coding may be where its samples' bytes are sample_count x
+# sample_n_bytes x channel_count: uncompressed (libsndfile reads no other; "pcm,embedded-shorten-v2.00"
+# and the like are compressed, their sizes not the samples')
+_NIST_CODINGS = ("pcm", "ulaw", "mu-law", "alaw")
+# The most of a NIST SPHERE header read (its size is a multiple of 1024, 1024 in the files seen)
+_NIST_HEADER_LIMIT = 1 << 16
 
 
 def wav_truncation(f: BinaryIO) -> tuple[int, int] | None:
     """For a recording cut short (a copy or download that stopped): the bytes of samples its header
     announces and the bytes the file holds after that header; None for a complete file, a WAV written as
-    a stream (a size of 0, 0xFFFFFFFF, 0x7FFFF000 or 0x7FFFFFFF) or anything else. Read are WAV (RIFF, and
-    RF64/BW64, whose 64-bit sizes are in their ds64 chunk), Sony Wave64 and AIFF/AIFC: libsndfile reads any
-    of them cut short without a word, as the shorter recording it holds. ``f`` is read from its start and
-    left there."""
+    a stream (a size of 0, 0xFFFFFFFF, 0x7FFFF000 or 0x7FFFFFFF; an AU's 0xFFFFFFFF) or anything else.
+    Read are WAV (RIFF, big-endian RIFX, and RF64/BW64, whose 64-bit sizes are in their ds64 chunk), Sony
+    Wave64, AIFF/AIFC, AU (.snd) and NIST SPHERE: libsndfile reads any of them cut short without a word,
+    as the shorter recording it holds. ``f`` is read from its start and left there."""
     cut = _cut_short(_sample_chunk(f))
     return None if cut is None else cut[1:]
 
@@ -239,16 +250,20 @@ def _cut_short(found: tuple[bytes, int | None, int, int] | None) -> tuple[bytes,
 
 
 def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
-    """``f``'s container (its key in :data:`_CONTAINERS`), the bytes of samples its header announces
-    (None for a stream's placeholder), the bytes after the sample chunk's header, and where a RIFF WAV's
-    data size is (an RF64/BW64 stream's: its ds64's 64-bit data size; -1 in other containers and other
-    RF64 files); None if ``f`` is none of :data:`_CONTAINERS` or its header ends before its samples.
-    ``f`` is left at 0."""
+    """``f``'s container (its key in :data:`_CONTAINER_NAMES`), the bytes of samples its header announces
+    (None for a stream's placeholder), the bytes after the sample chunk's header, and where a RIFF or
+    RIFX WAV's data size is (an RF64/BW64 stream's: its ds64's 64-bit data size; -1 in other containers
+    and other RF64 files); None if ``f`` is none of them or its header ends before its samples. ``f`` is
+    left at 0."""
     f.seek(0, io.SEEK_END)
     end = f.tell()
     f.seek(0)
     try:
         head = f.read(40)
+        if head[:4] in (b".snd", b"dns."):
+            return _au_samples(head, end)
+        if head[:8] == b"NIST_1A\n":
+            return _nist_samples(f, head, end)
         if head[:4] not in _CONTAINERS:
             return None
         first, (at, form), id_len, size_len, order, counted, pad, sample_id, skip = _CONTAINERS[head[:4]]
@@ -263,14 +278,14 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
             if len(header) < id_len + size_len:
                 return None
             chunk, size = header[:4], int.from_bytes(header[id_len:], order)
-            if chunk == b"ds64" and head[:4] != b"RIFF":
+            if chunk == b"ds64" and head[:4] in (b"RF64", b"BW64"):
                 body = f.read(16)
                 ds64 = int.from_bytes(body[8:16], "little") if len(body) == 16 else None
                 ds64_at = f.tell() - len(body) + 8
                 f.seek(-len(body), io.SEEK_CUR)
             if chunk == sample_id:
                 held = end - f.tell() - skip
-                if head[:4] == b"RIFF":
+                if head[:4] in (b"RIFF", b"RIFX"):
                     known = size not in _WAV_UNKNOWN_SIZES or (size == 0 and _chunk_follows(f, head, end))
                     return head[:4], (size if known else None), held, f.tell() - size_len
                 if ds64 is not None and size == 0xFFFFFFFF:
@@ -289,22 +304,64 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
         f.seek(0)
 
 
+def _au_samples(head: bytes, end: int) -> tuple[bytes, int | None, int, int] | None:
+    """:func:`_sample_chunk` of an AU file (``head``: its first bytes, ``end``: its size): the data size
+    at 4 bytes in (0xFFFFFFFF where the writer did not know it: a stream), the samples from the data
+    offset at 8 to the end; big-endian, little-endian in a "dns." file."""
+    order = "big" if head[:4] == b".snd" else "little"
+    if len(head) < 12:
+        return None
+    offset, size = int.from_bytes(head[4:8], order), int.from_bytes(head[8:12], order)
+    if offset > end:
+        return None
+    return head[:4], (None if size == 0xFFFFFFFF else size), end - offset, -1
+
+
+def _nist_samples(f: BinaryIO, head: bytes, end: int) -> tuple[bytes, int | None, int, int] | None:
+    """:func:`_sample_chunk` of a NIST SPHERE file (``head``: its first bytes, ``end``: its size): its text
+    header's size on its second line, the samples' bytes from its fields (sample_count, of each channel,
+    x sample_n_bytes x channel_count; None where one is missing or the samples are compressed), the
+    bytes after the header."""
+    try:
+        size = int(head[8:16])
+    except ValueError:
+        return None
+    if not 16 <= size <= min(end, _NIST_HEADER_LIMIT):
+        return None
+    f.seek(0)
+    fields = {}
+    for line in f.read(size).split(b"\n")[2:]:
+        words = line.decode("latin-1").split(None, 2)
+        if words == ["end_head"]:
+            break
+        if len(words) == 3 and words[1].startswith("-"):
+            fields[words[0]] = words[2].strip()
+    if fields.get("sample_coding", "pcm") not in _NIST_CODINGS:
+        return None
+    try:
+        announced = math.prod(int(fields[k]) for k in ("sample_count", "sample_n_bytes", "channel_count"))
+    except (KeyError, ValueError):
+        return None
+    return b"NIST", (announced if announced > 0 else None), end - size, -1
+
+
 def _chunk_follows(f: BinaryIO, head: bytes, end: int) -> bool:
-    """Whether a RIFF WAV's data chunk of size 0 (or an RF64's whose ds64 says 0), whose header ``f`` has
-    just been read (``head``: the file's first bytes, ``end``: its size), is empty for real: another
-    chunk follows it (a tag appended after an empty recording), as libsndfile reads it. It is a stream's
-    placeholder, read to the end, where the RIFF size says the file ends at that header (written before
-    the samples), or the bytes after it are no chunk header: an id of printable ASCII (a space not first)
-    and a size within the file. ``f`` is left where it was."""
+    """Whether a RIFF (or RIFX) WAV's data chunk of size 0 (or an RF64's whose ds64 says 0), whose header
+    ``f`` has just been read (``head``: the file's first bytes, ``end``: its size), is empty for real:
+    another chunk follows it (a tag appended after an empty recording), as libsndfile reads it. It is a
+    stream's placeholder, read to the end, where the RIFF size says the file ends at that header
+    (written before the samples), or the bytes after it are no chunk header: an id of printable ASCII (a
+    space not first) and a size within the file. ``f`` is left where it was."""
     at = f.tell()
-    riff = int.from_bytes(head[4:8], "little")
+    order = "big" if head[:4] == b"RIFX" else "little"
+    riff = int.from_bytes(head[4:8], order)
     if riff not in _WAV_UNKNOWN_SIZES and riff + 8 <= at:
         return False
     header = f.read(8)
     f.seek(at)
     if len(header) < 8:
         return False
-    name, size = header[:4], int.from_bytes(header[4:], "little")
+    name, size = header[:4], int.from_bytes(header[4:], order)
     return all(0x20 <= c <= 0x7E for c in name) and name[0] != 0x20 and at + 8 + size <= end
 
 
@@ -340,7 +397,7 @@ def _unknown_size_read_whole(f: BinaryIO, found: tuple[bytes, int | None, int, i
     data = bytearray(f.read())
     f.seek(0)
     at = found[3]
-    if found[0] != b"RIFF":
+    if found[0] in (b"RF64", b"BW64"):
         data[at : at + 8] = found[2].to_bytes(8, "little")
     elif data[at : at + 4] == bytes(4):
         data[at : at + 4] = b"\xff" * 4
