@@ -172,6 +172,30 @@ def test_a_recording_cut_short_is_refused_in_every_container_that_says_its_size(
                 read_audio(source, name=str(path))
 
 
+def test_an_ogg_vorbis_file_cut_short_that_decodes_to_no_samples_is_not_called_empty(tmp_path):
+    """An Ogg/Vorbis file cut before its last page reads as 0 samples (libsndfile finds an Ogg's length at
+    its end) and was refused as an 'empty recording (0 samples)'; it is named as a file from which no
+    samples could be decoded, its size said. An empty WAV is still an empty recording."""
+    data = io.BytesIO()
+    sf.write(data, _noise(16000, 1), 8000, format="OGG", subtype="VORBIS")
+    cut = data.getvalue()[: len(data.getvalue()) // 2]
+    assert sf.info(io.BytesIO(cut)).frames == 0  # what libsndfile makes of it
+    path = tmp_path / "cut.ogg"
+    path.write_bytes(cut)
+    for source in (path, io.BytesIO(cut)):
+        with pytest.raises(AudioError) as info:
+            read_audio(source, name="cut.ogg")
+        message = str(info.value)
+        assert message.startswith(
+            f"cut.ogg: no samples could be decoded from its {len(cut)} bytes (OGG VORBIS)"
+        )
+        assert "cut short or damaged" in message and "empty recording (0" not in message
+    empty = tmp_path / "empty.wav"
+    sf.write(empty, np.zeros((0, 1)), 8000, subtype="PCM_16")
+    with pytest.raises(AudioError, match=r"^empty: empty recording \(0 samples\)$"):
+        read_audio(empty, name="empty")
+
+
 def test_rifx_au_and_nist_sphere_sizes_are_their_headers_and_streams_are_read_whole(tmp_path):
     """Headers written by hand: a RIFX WAV's big-endian data size, an AU's data size and offset (big- or
     little-endian), a NIST SPHERE's sample_count x sample_n_bytes x channel_count after its text header

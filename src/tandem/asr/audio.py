@@ -404,12 +404,20 @@ def _unknown_size_read_whole(f: BinaryIO, found: tuple[bytes, int | None, int, i
     return io.BytesIO(bytes(data))
 
 
+# Formats whose length libsndfile finds by decoding (Ogg's last page, MP3's frames, FLAC's STREAMINFO,
+# where 0 is "not known"), not from a size in the header: a file of them cut short or damaged reads as 0
+# samples (an Ogg/Vorbis file cut before its last page does), which is no sign of an empty recording
+_DECODED_LENGTH = ("OGG", "MP3", "FLAC")
+
+
 def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[np.ndarray, int, float]:
     """``[samples, channels]`` float32 (``frames`` of them from ``start``, or to the end), the rate, and the
     peak at or under which the file is silent (:func:`_silence_peak`), by libsndfile; :class:`AudioError`
-    if it cannot."""
+    if it cannot, or if it finds no samples in a format whose length it decodes (:data:`_DECODED_LENGTH`)."""
     import soundfile  # a runtime dependency, imported here so training never loads libsndfile
 
+    size = f.seek(0, io.SEEK_END)
+    f.seek(0)
     try:
         with soundfile.SoundFile(f) as sound:
             silence = _silence_peak(sound.subtype)
@@ -424,10 +432,18 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
                 if start:
                     sound.read(start, dtype="float32", always_2d=True)
             samples = sound.read(frames, dtype="float32", always_2d=True)
-            return samples, sound.samplerate, silence
+            decoded_none = sound.frames == 0 and sound.format in _DECODED_LENGTH
+            kind = f"{sound.format} {sound.subtype}"
+            rate = sound.samplerate
     except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
         reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
+    if decoded_none:
+        raise AudioError(
+            f"{label}: no samples could be decoded from its {size} bytes ({kind}); it may be cut short or "
+            "damaged (or hold an empty recording)"
+        )
+    return samples, rate, silence
 
 
 def _silence_peak(subtype: str) -> float:
