@@ -509,8 +509,13 @@ def test_to_model_input_errors_name_the_argument():
             to_model_input(x, rate, 8000)
     with pytest.raises(AudioError, match=r"^waveform: empty recording"):
         to_model_input(torch.zeros(2, 0), 8000, 8000)
-    with pytest.raises(AudioError, match=r"^waveform: its 2 channels cancel out when mixed to mono"):
+    with pytest.raises(AudioError, match=r"^waveform: its 2 channels cancel out when mixed to mono") as info:
         to_model_input(torch.stack([x[0], -x[0]]), 8000, 8000)  # loud channels, silence in mono
+    # how to give one channel, in Python and to `tandem transcribe` (no option for it): one line
+    message = str(info.value)
+    assert (
+        "pass waveform[0]" in message and "remix 1 | tandem transcribe -)" in message and "\n" not in message
+    )
     # nearly: one voice in opposite phase (a mis-wired microphone) leaves a mix 60 dB down, which was
     # transcribed as noise; 20 dB down, or a silent channel (6 dB), is a recording
     with pytest.raises(AudioError, match=r"^waveform: its 2 channels cancel out.*the mix's 0.00"):

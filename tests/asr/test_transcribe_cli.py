@@ -213,6 +213,7 @@ def test_json_lines(setup, capsys):
         ("empty", "empty recording (0 samples)"),
         ("silent", "silent recording"),
         ("directory", "not a file"),
+        ("cancelling", "channels cancel out when mixed to mono"),
         (
             "truncated",
             "a truncated WAV file: its header announces 32000 bytes of samples, the file holds 16000",
@@ -232,6 +233,9 @@ def test_a_bad_file_is_named_on_stderr_and_the_others_are_transcribed(
         sf.write(bad, np.zeros(16000), 16000, subtype="PCM_16")
     elif case == "directory":
         bad.mkdir()
+    elif case == "cancelling":  # one voice in opposite phase: the advice names a way from the command line
+        voice = np.random.default_rng(0).uniform(-0.5, 0.5, 8000)
+        sf.write(bad, np.stack([voice, -voice], 1), 8000, subtype="PCM_16")
     elif case == "truncated":  # a copy cut short: libsndfile reads its first half without a word
         sf.write(bad, np.random.default_rng(0).uniform(-0.5, 0.5, 16000), 8000, subtype="PCM_16")
         bad.write_bytes(bad.read_bytes()[: 44 + 16000])
@@ -239,6 +243,8 @@ def test_a_bad_file_is_named_on_stderr_and_the_others_are_transcribed(
     assert code == 1
     assert out == [f"{files[0]}\t{texts[0]}", f"{files[2]}\t{texts[2]}"]
     assert len(err) == 1 and err[0].startswith(f"tandem transcribe: error: {bad}: ") and expected in err[0]
+    if case == "cancelling":
+        assert err[0].endswith("(sox in.wav -t wav - remix 1 | tandem transcribe -)")
 
 
 @pytest.mark.parametrize("size", [0, 0xFFFFFFFF, 0x7FFFF000, 0x7FFFFFFF])

@@ -489,9 +489,12 @@ def _check_samples(
     # microphone), not the recording (a silent channel leaves half the other, -6 dB)
     if swing <= silence or swing < loudest * CANCELLED:
         if loudest > silence:  # (a NaN does not compare: the mix would have held it)
+            # how to give one channel, in Python and from `tandem transcribe` (which has no option for it)
             raise AudioError(
                 f"{label}: its {channels.shape[0]} channels cancel out when mixed to mono (the loudest "
-                f"channel's peak is {loudest:.3g}, the mix's {swing:.3g}); pass one channel"
+                f"channel's peak is {loudest:.3g}, the mix's {swing:.3g}); transcribe one of them: in Python "
+                "pass waveform[0] (read_audio gives [channels, samples]), on the command line take it out "
+                "first (sox in.wav -t wav - remix 1 | tandem transcribe -)"
             )
         bits = round(1 - math.log2(silence))
         amplitude = f"peak amplitude {peak:.3g}"
