@@ -412,6 +412,26 @@ def test_the_silence_rule_is_one_16_bit_step(tmp_path):
         read_audio(io.BytesIO(b""), name="<stdin>")
 
 
+def test_a_one_sample_recording_is_too_short_not_silent(tmp_path):
+    """One sample spans no range, and a WAV of one sample of 0.247 was called 'silent recording (samples
+    within 0 of 0.247 ...)'; it is too short to tell sound from silence, as file or array; two samples
+    are judged, and silent_ok takes one."""
+    path = tmp_path / "one.wav"
+    with wave.open(str(path), "wb") as w:  # the standard library's writer: 16-bit mono, 8 kHz
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(struct.pack("<h", 8094))  # 0.247 of full scale
+    too_short = r"too short: 1 sample, too few to tell sound from silence \(at least 2 are needed\)"
+    with pytest.raises(AudioError, match=f"^one.wav: {too_short}; nothing to transcribe$"):
+        read_audio(path, name="one.wav")
+    with pytest.raises(AudioError, match=f"^clip: {too_short}"):
+        to_model_input(np.array([[0.247], [0.1]]), 8000, 8000, name="clip")
+    waveform, _ = read_audio(path, silent_ok=True)
+    assert waveform.tolist() == [[8094 / 2**15]]
+    assert to_model_input(np.array([0.247, -0.1]), 8000, 8000).shape == (2,)
+
+
 @pytest.mark.parametrize("offset", [0.05, -0.3])
 def test_a_constant_offset_with_one_step_of_dither_is_silence(tmp_path, offset):
     """A DC bias with nothing on it but a step of dither: its peak is the offset, far above one step,

@@ -57,6 +57,9 @@ _PCM_SCALE = {
 }
 # A mix of channels whose peak is this far below the loudest channel's (40 dB) is channels that cancel
 CANCELLED = 0.01
+# The fewest samples (a channel's) in which sound can be told from silence, judged by the range they span:
+# one sample spans none, and was called silent whatever its value
+FEWEST_SAMPLES = 2
 # Float samples above this are scaled down by their peak before the features (whose per-utterance
 # normalisation removes the level anyway): squared in float32, they would overflow to inf and NaN.
 LOUDEST = 1e15
@@ -112,8 +115,8 @@ def read_audio(
 
     Raises:
         AudioError: no such file, not a recording libsndfile reads, no samples (empty), non-finite
-            samples, or silent (every sample at most :data:`SILENCE_PEAK` in magnitude, or one step of
-            an 8-bit file's; unless ``silent_ok``).
+            samples, or one sample (too short to judge) or silent (every sample at most
+            :data:`SILENCE_PEAK` in magnitude, or one step of an 8-bit file's; unless ``silent_ok``).
 
     Example::
 
@@ -465,9 +468,9 @@ def _check_samples(
     silence: float = SILENCE_PEAK,
 ) -> float:
     """``waveform``'s peak magnitude, or :class:`AudioError` if it is empty, not finite or (unless
-    ``silent_ok``) silent (its peak at most ``silence``); ``channels`` (``[C, samples]``), where
-    ``waveform`` is their mix, names loud channels that cancel (the mix 40 dB or more below the loudest
-    channel, :data:`CANCELLED`)."""
+    ``silent_ok``) too short to judge (:data:`FEWEST_SAMPLES`) or silent (its peak at most ``silence``);
+    ``channels`` (``[C, samples]``), where ``waveform`` is their mix, names loud channels that cancel (the
+    mix 40 dB or more below the loudest channel, :data:`CANCELLED`)."""
     if waveform.shape[-1] == 0:
         raise AudioError(f"{label}: empty recording (0 samples)")
     peak = float(waveform.abs().max())
@@ -488,6 +491,11 @@ def _check_samples(
     # channels that (nearly) cancel: the mix is what is left of one voice in opposite phase (a mis-wired
     # microphone), not the recording (a silent channel leaves half the other, -6 dB)
     if swing <= silence or swing < loudest * CANCELLED:
+        if waveform.shape[-1] < FEWEST_SAMPLES:
+            raise AudioError(
+                f"{label}: too short: {waveform.shape[-1]} sample, too few to tell sound from silence (at "
+                f"least {FEWEST_SAMPLES} are needed); nothing to transcribe"
+            )
         if loudest > silence:  # (a NaN does not compare: the mix would have held it)
             # how to give one channel, in Python and from `tandem transcribe` (which has no option for it)
             raise AudioError(
@@ -543,8 +551,8 @@ def to_model_input(
         ``[samples']`` float32, ``samples' = ceil(samples * target_rate / sample_rate)``.
 
     Raises:
-        AudioError: empty, non-finite or silent (see :data:`SILENCE_PEAK`) after mixing to mono, or a
-            rate above :data:`MAX_SAMPLE_RATE` or below :data:`MIN_SAMPLE_RATE`.
+        AudioError: empty, non-finite, one sample or silent (see :data:`SILENCE_PEAK`) after mixing to
+            mono, or a rate above :data:`MAX_SAMPLE_RATE` or below :data:`MIN_SAMPLE_RATE`.
         ValueError: a bad shape or rate, naming the argument.
 
     Example::
