@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Union
 
@@ -267,25 +268,16 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
             return _au_samples(head, end)
         if head[:8] == b"NIST_1A\n":
             return _nist_samples(f, head, end)
-        if head[:4] not in _CONTAINERS:
+        if _container(head) is None:
             return None
-        first, (at, form), id_len, size_len, order, counted, pad, sample_id, skip = _CONTAINERS[head[:4]]
-        forms = form if isinstance(form, tuple) else (form,)
-        if head[at : at + 4] not in forms:
-            return None
-        f.seek(first)
+        _, _, _, size_len, _, counted, _, sample_id, skip = _CONTAINERS[head[:4]]
         ds64 = None  # RF64/BW64: the data size held for the data chunk whose own size is 0xFFFFFFFF
         ds64_at = -1  # and where it is
-        while True:
-            header = f.read(id_len + size_len)
-            if len(header) < id_len + size_len:
-                return None
-            chunk, size = header[:4], int.from_bytes(header[id_len:], order)
+        for chunk, size in _chunks(f, head[:4]):
             if chunk == b"ds64" and head[:4] in (b"RF64", b"BW64"):
                 body = f.read(16)
                 ds64 = int.from_bytes(body[8:16], "little") if len(body) == 16 else None
                 ds64_at = f.tell() - len(body) + 8
-                f.seek(-len(body), io.SEEK_CUR)
             if chunk == sample_id:
                 held = end - f.tell() - skip
                 if head[:4] in (b"RIFF", b"RIFX"):
@@ -299,12 +291,37 @@ def _sample_chunk(f: BinaryIO) -> tuple[bytes, int | None, int, int] | None:
                     size = ds64
                 size -= counted + skip
                 return head[:4], (size if size > 0 else None), held, -1
-            body = size - counted
-            if body < 0:  # a broken Wave64 size (it counts its own header): not a header to walk
-                return None
-            f.seek(body + (-body % pad), io.SEEK_CUR)  # chunks are padded to a multiple of ``pad``
+        return None
     finally:
         f.seek(0)
+
+
+def _container(head: bytes) -> bytes | None:
+    """The key in :data:`_CONTAINERS` of a file whose first bytes are ``head``, or None."""
+    if head[:4] not in _CONTAINERS:
+        return None
+    _, (at, form), *_ = _CONTAINERS[head[:4]]
+    return head[:4] if head[at : at + 4] in (form if isinstance(form, tuple) else (form,)) else None
+
+
+def _chunks(f: BinaryIO, kind: bytes) -> Iterator[tuple[bytes, int]]:
+    """The chunks of ``f``, a ``kind`` of :data:`_CONTAINERS`, from its first: each one's id (its first 4
+    bytes: a Wave64 GUID's are its name) and size, ``f`` at the chunk's body while it is taken (which
+    may read on). The walk ends where a chunk's header would, at the end of the file, or at a chunk
+    size below its header's."""
+    first, _, id_len, size_len, order, counted, pad, _, _ = _CONTAINERS[kind]
+    at = first
+    while True:
+        f.seek(at)
+        header = f.read(id_len + size_len)
+        if len(header) < id_len + size_len:
+            return
+        size = int.from_bytes(header[id_len:], order)
+        yield header[:4], size
+        body = size - counted
+        if body < 0:  # a broken Wave64 size (it counts its own header): not a header to walk
+            return
+        at += id_len + size_len + body + (-body % pad)  # chunks are padded to a multiple of ``pad``
 
 
 def _au_samples(head: bytes, end: int) -> tuple[bytes, int | None, int, int] | None:
