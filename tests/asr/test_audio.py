@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import struct
 import wave
 
@@ -334,6 +335,49 @@ def test_an_empty_data_chunk_followed_by_another_chunk_is_an_empty_recording(tmp
         path.write_bytes(bytes(data))
         waveform, rate = read_audio(path)
         assert (waveform.shape, rate) == ((1, 404), 8000) and read_header(path) == (404, 8000), case
+
+
+def test_float_wavs_of_16_or_24_bits_name_their_sample_format(tmp_path):
+    """A WAV of 16-bit (half) or 24-bit float samples (format tag 3, or WAVE_FORMAT_EXTENSIBLE with the
+    float sub-format) was 'not a readable audio file (Unspecified internal error)', libsndfile's word for
+    it; the message names the format. The same layout with 32-bit floats is read."""
+    x = np.linspace(-0.5, 0.5, 64)
+
+    def fmt(bits: int, extensible: bool, order: str = "<") -> bytes:
+        size = bits // 8
+        body = struct.pack(order + "HHIIHH", 0xFFFE if extensible else 3, 1, 8000, 8000 * size, size, bits)
+        if extensible:
+            guid = struct.pack(order + "IHH", 3, 0, 0x10) + bytes.fromhex("800000aa00389b71")  # float's
+            body += struct.pack(order + "HHI", 22, bits, 4) + guid
+        return body
+
+    def wav(riff: bytes, fmt_body: bytes, samples: bytes, order: str = "<") -> bytes:
+        chunks = b"fmt " + struct.pack(order + "I", len(fmt_body)) + fmt_body
+        chunks += b"data" + struct.pack(order + "I", len(samples)) + samples
+        return riff + struct.pack(order + "I", 4 + len(chunks)) + b"WAVE" + chunks
+
+    cases = {
+        "half": wav(b"RIFF", fmt(16, False), x.astype("<f2").tobytes()),
+        "half-extensible": wav(b"RIFF", fmt(16, True), x.astype("<f2").tobytes()),
+        "float24": wav(b"RIFF", fmt(24, False), bytes(3 * 64)),
+        "rifx-half": wav(b"RIFX", fmt(16, False, ">"), x.astype(">f2").tobytes(), ">"),
+    }
+    for name, data in cases.items():
+        bits = 24 if name == "float24" else 16
+        with pytest.raises(RuntimeError, match="Unspecified internal error"):
+            sf.info(io.BytesIO(data))  # libsndfile's word for it
+        path = tmp_path / f"{name}.wav"
+        path.write_bytes(data)
+        message = (
+            f"an unsupported sample format: float with {bits} bits (float samples are read with 32 or 64"
+        )
+        message += " bits)"
+        for source, label in ((path, str(path)), (data, "<bytes>")):
+            with pytest.raises(AudioError, match=f"^{re.escape(f'{label}: {message}')}$"):
+                read_audio(source, name=label)
+    for extensible in (False, True):
+        waveform, _ = read_audio(wav(b"RIFF", fmt(32, extensible), x.astype("<f4").tobytes()))
+        assert torch.equal(waveform[0], torch.from_numpy(x.astype(np.float32)))
 
 
 def test_a_files_bytes_are_read_as_the_file_is_and_bytes_without_a_nul_are_a_path(tmp_path):

@@ -365,6 +365,42 @@ def _nist_samples(f: BinaryIO, head: bytes, end: int) -> tuple[bytes, int | None
     return b"NIST", (announced if announced > 0 else None), end - size, -1
 
 
+# IEEE float samples' format tag in a WAV's fmt chunk (and the first field of WAVE_FORMAT_EXTENSIBLE's
+# (0xFFFE) sub-format GUID), and the sizes libsndfile reads them in: others (16-bit half floats, 24-bit
+# ones, which some tools write) fail with its "Unspecified internal error"
+_FLOAT_TAG = 3
+_FLOAT_BITS = (32, 64)
+
+
+def _unsupported_format(f: BinaryIO) -> str | None:
+    """What libsndfile cannot read in a WAV (RIFF, RIFX, RF64/BW64, Wave64) that it failed to open, said
+    plainly where its own message is none: float samples of other than 32 or 64 bits; else None. ``f``
+    is left at 0."""
+    try:
+        f.seek(0)
+        kind = _container(f.read(40))
+        if kind is None or kind == b"FORM":
+            return None
+        order = _CONTAINERS[kind][4]
+        for chunk, size in _chunks(f, kind):
+            if chunk == b"fmt ":
+                fmt = f.read(min(size, 40))
+                if len(fmt) < 16:
+                    return None
+                tag, bits = int.from_bytes(fmt[:2], order), int.from_bytes(fmt[14:16], order)
+                if tag == 0xFFFE and len(fmt) >= 28:  # WAVE_FORMAT_EXTENSIBLE: the sub-format's tag
+                    tag = int.from_bytes(fmt[24:28], order)
+                if tag == _FLOAT_TAG and bits not in _FLOAT_BITS:
+                    return (
+                        f"an unsupported sample format: float with {bits} bits (float samples are read with "
+                        f"{' or '.join(map(str, _FLOAT_BITS))} bits)"
+                    )
+                return None
+        return None
+    finally:
+        f.seek(0)
+
+
 def _chunk_follows(f: BinaryIO, head: bytes, end: int) -> bool:
     """Whether a RIFF (or RIFX) WAV's data chunk of size 0 (or an RF64's whose ds64 says 0), whose header
     ``f`` has just been read (``head``: the file's first bytes, ``end``: its size), is empty for real:
@@ -456,6 +492,9 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
             kind = f"{sound.format} {sound.subtype}"
             rate = sound.samplerate
     except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
+        unsupported = _unsupported_format(f)
+        if unsupported is not None:
+            raise AudioError(f"{label}: {unsupported}") from None
         reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
     if decoded_none:
