@@ -222,7 +222,10 @@ def _check_out(out: Path, resume: bool) -> str | None:
             pass
     except OSError as e:
         return f"--out {out}: cannot write there ({e.strerror or e})"
-    if resume and not any(out.glob("checkpoint*.pt")):
+    from tandem.asr.checkpoint import CheckpointStore
+
+    store = CheckpointStore(out)
+    if resume and not (store.path.exists() or store.numbered()):  # (checkpoint_old.pt is none)
         aside = sorted({p.parent.name for p in out.glob("previous*/checkpoint*.pt")})
         hint = (
             f" (earlier runs were set aside in {', '.join(a + '/' for a in aside)} there: move one's files "
