@@ -259,6 +259,36 @@ def test_a_rank_killed_as_the_ranks_start_is_restarted_at_once(reference, tmp_pa
     assert "has trained all" not in log, log[-3000:]
 
 
+_STOPPED_IN_THE_LAST_EVALUATION = """
+import os, signal, sys
+from tandem.asr import training
+from tandem.cli.main import main
+
+evaluate = training.Run.evaluate
+
+def evaluate_with_a_ctrl_c(self, *args, **kwargs):
+    if self.epoch >= self.config.epochs:  # the last epoch's evaluation
+        os.kill(os.getpid(), signal.SIGINT)
+    return evaluate(self, *args, **kwargs)
+
+training.Run.evaluate = evaluate_with_a_ctrl_c
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def test_a_stop_in_the_last_epochs_evaluation_finishes_the_run(tmp_path):
+    """Ctrl-C while the last epoch was evaluated: the run said "stopped by a signal after step 22 (epoch 2,
+    batch 0)" of a 1-epoch run, exit 130, and wrote no metrics.json until a --resume. Nothing is left to
+    train: it finishes, says so, and writes its files."""
+    out = tmp_path / "run"
+    args = (*ON_CPU, "--nproc", "1", *TINY, "--out", str(out))
+    driver = [sys.executable, "-c", _STOPPED_IN_THE_LAST_EVALUATION, *args]
+    done = subprocess.run(driver, capture_output=True, text=True, timeout=300, env=env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the stop request came after the last step; finishing the run" in done.stderr
+    assert json.loads((out / "metrics.json").read_text())["epochs"] == 1
+
+
 def test_a_second_ctrl_c_as_the_ranks_start_leaves_no_process(tmp_path):
     """The launcher killed torchrun before the ranks had asked to die with it: they lived on, orphaned,
     retrying the dead torchrun's store (minutes). It kills them too, and a rank whose torchrun died
@@ -649,6 +679,10 @@ def test_resume_where_only_runs_set_aside_are_says_where_they_are(tmp_path):
     (tmp_path / "previous-2" / "checkpoint.pt").write_bytes(b"")
     message = _check_out(tmp_path, resume=True)
     assert message is not None and "found none (earlier runs were set aside in previous-2/ there" in message
+    # a file named like a checkpoint but none the run writes: the same (it said "no readable checkpoint
+    # in ... ()" after a launch's check had read nothing)
+    (tmp_path / "checkpoint_backup.pt").write_bytes(b"")
+    assert _check_out(tmp_path, resume=True) == message
 
 
 def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path):

@@ -76,6 +76,8 @@ def test_resuming_a_finished_run_says_it_is_finished(trained, tmp_path):
     done = tandem(*args, "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "its checkpoint has trained all 6 epoch(s)" in done.stdout and "resuming at" not in done.stdout
+    last = done.stdout.splitlines()[-1]  # it names only what this launch wrote (it said checkpoint.pt)
+    assert last.startswith("done:") and "wrote metrics.json, training_curve.png" in last, last
     after = load_checkpoint(out / "checkpoint.pt")
     assert after["step"] == before["step"]
     assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())

@@ -886,10 +886,12 @@ def _train(
     stopped = not_saved = False
     board = _Board(out if lead else None, run.step)
 
+    saves = 0  # the checkpoints this launch wrote (rank 0)
+
     def save() -> bool:
         """Rank 0 writes a checkpoint; False on every rank if it could not (every rank calls this after
         the same step, and learns the outcome from one all-reduce)."""
-        nonlocal last_save
+        nonlocal last_save, saves
         run.seconds_before += time.perf_counter() - last_save
         last_save = time.perf_counter()
         problem = advice = None
@@ -899,6 +901,7 @@ def _train(
         elif lead:
             try:
                 store.save(run.state(), run.step)
+                saves += 1
             except CheckpointWriteError as e:
                 problem, advice = str(e), ": make room, then run the same command"
         if group.sum([float(problem is not None)])[0] == 0:
@@ -1020,7 +1023,11 @@ def _train(
         board.close()
         if not_saved:
             return EXIT_NOT_SAVED
-        if stopped:
+        if stopped and run.epoch >= config.epochs and lead:  # in the last epoch's evaluation: nothing is left
+            print(
+                "tandem train: the stop request came after the last step; finishing the run", file=sys.stderr
+            )
+        if stopped and run.epoch < config.epochs:
             if lead:
                 print(
                     f"tandem train: stopped by a signal after step {run.step} (epoch {run.epoch + 1}, batch "
@@ -1034,7 +1041,7 @@ def _train(
         (peak_rss,) = group.max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
         if not lead:
             return 0
-        written = ["checkpoint.pt"] if store.path.exists() else []
+        written = ["checkpoint.pt"] if saves else []  # (a finished run resumed writes none)
         final = run.history[-1] if run.history else {}
         metrics = {
             "task": "asr",
