@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,9 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
     truncated.write_bytes(good_wav.read_bytes()[: len(good_wav.read_bytes()) // 2])
     ok = {"audio_filepath": str(good_wav), "text": "two"}
     seconds = soundfile.info(str(good_wav)).duration
+    pipe = tmp_path / "pipe.wav"  # it was "no such file"
+    if not pipe.exists():
+        os.mkfifo(pipe)
     return {
         "truncated": (
             [ok, {"audio_filepath": str(truncated), "text": "two"}],
@@ -127,6 +131,18 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
             [ok, {"audio_filepath": str(good_wav), "text": "two", "offset": 0.5, "duration": seconds}],
             f":2: 'offset' + 'duration' = {0.5 + seconds:.3f} s reaches past the end of audio file "
             f"{good_wav}",
+        ),
+        "huge-integer-offset": (  # an integer beyond float's range: OverflowError, a traceback
+            [ok, f'{{"audio_filepath": "{good_wav}", "text": "two", "offset": 1{"0" * 400}}}'],
+            ":2: expected 'offset' to be a number of seconds, 0 or more, got 1000",
+        ),
+        "blank": (  # --alphabet, the hint, refuses the blank
+            [ok, {"audio_filepath": str(good_wav), "text": "two_three"}],
+            ":2: characters '_' are not in the alphabet \" 'abcdefghijklmnopqrstuvwxyz\" ('_' is CTC's blank",
+        ),
+        "pipe": (
+            [ok, {"audio_filepath": str(pipe), "text": "two"}],
+            f":2: audio file {pipe}: not a regular file",
         ),
         "rate": (
             [ok, {"audio_filepath": str(slow), "text": "two"}],
@@ -321,6 +337,83 @@ def test_alphabet_widens_and_empty_manifest(manifests, tmp_path):
     assert entry.text == "café 2" and entry.line == 1
     with pytest.raises(ManifestError, match="no recordings"):
         read_manifest(_manifest(tmp_path, [""]), ENGLISH, FeatureConfig(), ModelConfig())
+
+
+def test_a_recording_too_short_for_its_transcript_once_sped_up_is_refused_for_training(tmp_path):
+    """With augmentation the fastest speed (1.1x) shortens a recording: one whose frames just hold its
+    transcript then held one frame too few, CTC's loss of it was inf, zeroed (zero_infinity), and the
+    step learned nothing of it, without a word. It is refused for training with augmentation."""
+    features, model = FeatureConfig(), ModelConfig()
+    text = "abcdefghij"
+    samples = next(n for n in range(1000, 8000, 8) if model.output_frames(features.frames(n)) == len(text))
+    assert model.output_frames(features.frames(-(-samples * FASTEST[0] // FASTEST[1]))) < len(text)
+    clip = tmp_path / "clip.wav"
+    soundfile.write(str(clip), np.random.default_rng(0).uniform(-0.3, 0.3, samples), 8000, subtype="PCM_16")
+    path = _manifest(tmp_path, [{"audio_filepath": str(clip), "text": text}])
+    read_manifest(path, ENGLISH, features, model)  # at its own speed it fits
+    expected = (
+        r":1: audio file .*clip.wav is too short for its transcript when training speeds it up 1.1x "
+        r"\(augmentation\): .* gives 9 output frames, the 10 characters need 10 \(--augment off"
+    )
+    with pytest.raises(ManifestError, match=expected):
+        read_manifest(path, ENGLISH, features, model, shortest=FASTEST)
+
+
+def test_a_manifest_not_in_utf8_names_the_line(tmp_path, manifests):
+    good = next((manifests[0].parent / "audio").glob("*.wav"))
+    path = tmp_path / "latin1.jsonl"
+    lines = [{"audio_filepath": str(good), "text": "two"}, {"audio_filepath": str(good), "text": "café"}]
+    path.write_bytes("\n".join(json.dumps(x, ensure_ascii=False) for x in lines).encode("latin-1"))
+    with pytest.raises(
+        ManifestError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9: .*\); expected a manifest"
+    ):
+        read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
+
+
+def test_transcripts_and_the_alphabet_are_compared_in_composed_form(tmp_path, manifests):
+    """ "é" saved as e and a combining accent (as some tools write it) was refused naming the accent alone,
+    with "é" in --alphabet; and --alphabet typed so added the accent alone."""
+    good = next((manifests[0].parent / "audio").glob("*.wav"))
+    path = _manifest(tmp_path, [{"audio_filepath": str(good), "text": "cafe\u0301"}])
+    for typed in ("\u00e9", "e\u0301"):
+        alphabet = Alphabet.widened(ENGLISH, [typed])
+        assert alphabet.characters == ENGLISH.characters + "\u00e9"
+        (entry,) = read_manifest(path, alphabet, FeatureConfig(), ModelConfig())
+        assert entry.text == "caf\u00e9"
+
+
+def test_the_problems_of_both_manifests_come_in_one_error(tmp_path, manifests):
+    """The test manifest's problems were said only once the training manifest's were fixed (a second scan
+    of every line)."""
+    good = next((manifests[0].parent / "audio").glob("*.wav"))
+    bad = _bad_manifests(tmp_path, good)
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    train, test = (
+        _manifest(tmp_path / "train", bad["alphabet"][0]),
+        _manifest(tmp_path / "test", bad["missing-file"][0]),
+    )
+    done = tandem(
+        "--train-manifest", str(train), "--test-manifest", str(test), "--out", str(tmp_path / "out")
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"--train-manifest {train}: 1 problem(s)" in done.stderr and bad["alphabet"][1] in done.stderr
+    assert f"--test-manifest {test}: 1 problem(s)" in done.stderr and bad["missing-file"][1] in done.stderr
+
+
+def test_test_recordings_that_are_training_recordings_are_warned_of(tmp_path, capsys):
+    from tandem.asr.manifest import Entry
+    from tandem.cli.train import _warn_of_shared_recordings
+
+    clip = tmp_path / "a.wav"
+    train = [Entry(clip, "a", 100, 1), Entry(clip, "b", 100, 2, start=50, frames=100)]
+    test = [Entry(tmp_path / "." / "a.wav", "a", 100, 7), Entry(clip, "a", 100, 8, start=10, frames=100)]
+    _warn_of_shared_recordings(train, test, Path("train.jsonl"), Path("test.jsonl"))
+    warning = capsys.readouterr().err
+    expected = "1 of the 2 test recordings are training recordings too (the first: test.jsonl line 7, train"
+    assert f"tandem train: warning: {expected}.jsonl line 1)" in warning, warning
+    _warn_of_shared_recordings(train, test[1:], Path("train.jsonl"), Path("test.jsonl"))
+    assert capsys.readouterr().err == ""
 
 
 def test_ctc_frames_needed():

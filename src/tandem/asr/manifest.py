@@ -20,6 +20,7 @@ samples: a silent recording is found when training reads it, and trained on as i
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
@@ -45,7 +46,7 @@ from tandem.asr.audio import (
 )
 from tandem.asr.features import FeatureConfig
 from tandem.asr.model import ModelConfig
-from tandem.asr.text import Alphabet
+from tandem.asr.text import BLANK, Alphabet
 
 __all__ = [
     "Entry",
@@ -108,13 +109,23 @@ def read_manifest(
     """
     path = Path(path)
     try:
-        # "\n" ends a line (read_text makes "\r\n" one); str.splitlines would also cut at U+2028, U+0085
-        # and others, which JSON strings may hold as they are
-        lines = path.read_text(encoding="utf-8-sig").split("\n")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{what} {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise ManifestError(f"{what} {path}: cannot read it ({e})") from None
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ManifestError(
+            f"{what} {path}:{line}: not UTF-8 (byte {data[e.start]:#04x}: {e.reason}); expected a manifest "
+            "saved as UTF-8"
+        ) from None
+    # "\n" ends a line, and "\r\n" or "\r" as universal newlines read them; str.splitlines would also cut
+    # at U+2028, U+0085 and others, which JSON strings may hold as they are
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     entries: list[Entry] = []
     problems: list[str] = []
     # a bar on the terminal for a long manifest: every file's header is read here
@@ -171,7 +182,12 @@ def check_entry(
     unknown = alphabet.unknown(text)
     if unknown:
         chars = "".join(unknown)
-        return f"characters {chars!r} are not in the alphabet {alphabet.characters!r} (--alphabet adds them)"
+        hint = "--alphabet adds them"
+        if BLANK in chars:  # which --alphabet refuses
+            hint = f"{BLANK!r} is CTC's blank and cannot be a character; " + hint.replace(
+                "them", "the others"
+            )
+        return f"characters {chars!r} are not in the alphabet {alphabet.characters!r} ({hint})"
     audio = Path(item["audio_filepath"])
     audio = audio if audio.is_absolute() else manifest.parent / audio
     offset, duration = (_seconds(item, key) for key in ("offset", "duration"))
@@ -179,7 +195,8 @@ def check_entry(
         if audio.is_dir():
             return f"audio file {audio}: a directory, not a file"
         if not audio.is_file():
-            return f"audio file {audio}: no such file"
+            there = audio.exists()  # a pipe, a device, a socket: libsndfile would wait on it or fail
+            return f"audio file {audio}: " + ("not a regular file" if there else "no such file")
         for key, value, least in (("offset", offset, "0 or more"), ("duration", duration, "above 0")):
             if isinstance(value, str):
                 return f"expected {key!r} to be a number of seconds, {least}, got {value}"
@@ -231,6 +248,13 @@ def check_entry(
         )
     fastest = -(-samples * shortest[0] // shortest[1])  # as speed perturbation's resampling rounds it
     fewest = frames if fastest == samples else int(model.output_frames(features.frames(fastest)))
+    if fewest < needed:  # CTC's loss of it would be inf, zeroed (zero_infinity): a step that learns nothing
+        return (
+            f"audio file {audio} is too short for its transcript when training speeds it up "
+            f"{shortest[1] / shortest[0]:g}x (augmentation): {fastest / features.sample_rate:.2f} s gives "
+            f"{fewest} output frames, the {len(text)} characters need {needed} (--augment off keeps its "
+            "speed)"
+        )
     if fewest < least_frames:
         sped = f" ({fewest} when sped up {shortest[1] / shortest[0]:g}x)" if fastest != samples else ""
         return (
@@ -253,7 +277,9 @@ def _seconds(item: dict, key: str) -> float | str | None:
     value = item.get(key)
     if value is None:
         return None
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # (an integer beyond float's range, 1 and 400 zeros, is no number of seconds: isfinite overflowed)
+    number = number and (abs(value) < 2**1023 if isinstance(value, int) else math.isfinite(value))
     if not number or value < 0 or (key == "duration" and value == 0):
         return repr(value)
     return float(value)

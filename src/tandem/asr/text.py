@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -48,8 +49,9 @@ class Alphabet:
         return f"Alphabet({self.characters!r})"
 
     def normalize(self, text: str) -> str:
-        """Lower-cased, whitespace runs as one space, no leading or trailing space."""
-        return " ".join(text.lower().split())
+        """Lower-cased, in Unicode's composed form (NFC: "é" one character, however a tool saved it),
+        whitespace runs as one space, no leading or trailing space."""
+        return " ".join(unicodedata.normalize("NFC", text.lower()).split())
 
     def unknown(self, text: str) -> list[str]:
         """The characters of ``normalize(text)`` that are not in the alphabet, in order of appearance."""
@@ -77,8 +79,10 @@ class Alphabet:
 
     @classmethod
     def widened(cls, base: Alphabet, extra: Sequence[str]) -> Alphabet:
-        """``base`` with the characters of ``extra`` it lacks appended (in order)."""
-        more = "".join(dict.fromkeys(c for c in "".join(extra) if c not in base._ids and c != BLANK))
+        """``base`` with the characters of ``extra`` it lacks appended (in order), in Unicode's composed form
+        (NFC), as transcripts are (:meth:`normalize`)."""
+        extra = unicodedata.normalize("NFC", "".join(extra))
+        more = "".join(dict.fromkeys(c for c in extra if c not in base._ids and c != BLANK))
         return cls(base.characters + more)
 
 

@@ -787,18 +787,20 @@ def checked_manifests(config: TrainConfig) -> tuple[tuple | None, tuple[list[Ent
         except Exception:  # an unreadable file of the launcher's: checked here instead
             pass
     alphabet = Alphabet(config.alphabet)
-    train = read_manifest(
-        config.train_manifest,
-        alphabet,
-        config.features,
-        config.model,
-        what="--train-manifest",
-        least_frames=2 if config.model.layers > 1 else 1,
-        shortest=FASTEST if config.augment else (1, 1),
-    )
-    test = read_manifest(
-        config.test_manifest, alphabet, config.features, config.model, what="--test-manifest"
-    )
+    train_options = {"least_frames": 2 if config.model.layers > 1 else 1}
+    train_options["shortest"] = FASTEST if config.augment else (1, 1)
+    read, problems = [], []
+    for what, path, options in (
+        ("--train-manifest", config.train_manifest, train_options),
+        ("--test-manifest", config.test_manifest, {}),
+    ):
+        try:  # both, so that one error lists the problems of both (a second scan of a large corpus)
+            read.append(read_manifest(path, alphabet, config.features, config.model, what=what, **options))
+        except ManifestError as e:
+            problems.append(str(e))
+    if problems:
+        raise ManifestError("\n".join(problems))
+    train, test = read
     if key is not None:
         _CHECKED[key] = (train, test)
     return key, (train, test)

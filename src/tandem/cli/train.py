@@ -358,7 +358,26 @@ def _check_manifests(args: argparse.Namespace) -> str | None:
                 f"{what} {path}: {len(entries)} recording(s) for {world} processes; expected at least one "
                 f"per process (--nproc x --nnodes)"
             )
+    _warn_of_shared_recordings(train, test, args.train_manifest, args.test_manifest)
     return None
+
+
+def _warn_of_shared_recordings(train: list, test: list, train_path: Path, test_path: Path) -> None:
+    """A warning on stderr where test recordings (the same file and part of it) are training recordings
+    too: their WER says how well the model learned them, not how it hears what it never heard."""
+    trained = {(os.path.realpath(e.path), e.start, e.frames): e.line for e in train}
+    shared = [
+        (e.line, trained[k]) for e in test if (k := (os.path.realpath(e.path), e.start, e.frames)) in trained
+    ]
+    if shared:
+        line, train_line = shared[0]
+        print(
+            f"tandem train: warning: {len(shared)} of the {len(test)} test recordings are training "
+            f"recordings too (the first: {test_path} line {line}, {train_path} line {train_line}); the test "
+            "WER will not say how the model hears recordings it never trained on",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _check_master_addr(args: argparse.Namespace) -> str | None:
