@@ -119,7 +119,7 @@ def test_sigint_stops_after_a_checkpoint_and_resume_continues_exactly(reference,
     # a run of another configuration is refused before launch, saying what differs; nothing is touched
     before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
     other = tandem(*args, "--hidden", "16", "--resume", timeout=120)
-    assert other.returncode == 2 and "model.hidden: checkpoint 32, now 16" in other.stderr
+    assert other.returncode == 2 and "(--hidden: checkpoint 32, now 16)" in other.stderr
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
 
 

@@ -278,6 +278,24 @@ def test_resume_with_fewer_epochs_than_trained_is_refused():
     )
 
 
+def test_a_resume_names_the_options_whose_settings_differ():
+    """It named settings by their keys ("model.hidden", "processes", "augment" where --test-speaker
+    changed), which are no options of tandem train."""
+    from tandem.asr.model import ModelConfig
+    from tandem.asr.training import TrainConfig, resume_mismatch
+
+    state = {"train_config": TrainConfig().to_dict(), "world_size": 2, "epoch": 1, "position": 0}
+    other = TrainConfig(model=ModelConfig(hidden=64), test_speaker="theo", lr=0.1)
+    message = resume_mismatch(other, 4, state)
+    for part in (
+        "--hidden: checkpoint 128, now 64",
+        "--lr: checkpoint 0.05, now 0.1",
+        "--test-speaker: checkpoint None, now 'theo'",
+        "processes (--nproc x --nnodes): checkpoint 2, now 4",
+    ):
+        assert part in message, message
+
+
 def test_the_error_curve_draws_epochs_at_zero_percent(tmp_path, monkeypatch):
     """The error panel's log axis dropped every epoch at 0 % WER/CER (a run on an easy test set drew
     nothing after it reached 0, and matplotlib warned when every epoch was 0): 0 is on the axis now."""

@@ -138,14 +138,41 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# The tandem train options of the settings a resume must agree on (the others have none: a checkpoint of
+# another tandem version's defaults, say features.n_mels, is named by its key)
+_OPTION_OF_SETTING = {
+    "model.cell": "--cell",
+    "model.hidden": "--hidden",
+    "model.layers": "--layers",
+    "model.conv_channels": "--conv-channels",
+    "model.n_classes": "--alphabet (its size)",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "warmup_steps": "--warmup-steps",
+    "seed": "--seed",
+    "test_speaker": "--test-speaker",
+    "augment": "--augment (on with --test-speaker by default)",
+    "alphabet": "--alphabet",
+    "train_manifest": "--train-manifest",
+    "test_manifest": "--test-manifest",
+}
+
+
 def resume_mismatch(config: TrainConfig, world_size: int, state: dict[str, Any]) -> str | None:
     """Why a run of ``config`` on ``world_size`` processes cannot resume exactly from the checkpoint
-    ``state`` (every setting but the number of epochs must agree), or None."""
+    ``state`` (every setting but the number of epochs must agree), or None; each setting named by its
+    option (it said "model.hidden", "processes")."""
     ours = _flat(config.resume_keys())
     theirs = _flat({k: v for k, v in state.get("train_config", {}).items() if k != "epochs"})
-    differ = [f"{k}: checkpoint {theirs.get(k)!r}, now {v!r}" for k, v in ours.items() if theirs.get(k) != v]
+    differ = [
+        f"{_OPTION_OF_SETTING.get(k, k)}: checkpoint {theirs.get(k)!r}, now {v!r}"
+        for k, v in ours.items()
+        if theirs.get(k) != v
+    ]
     if state.get("world_size") != world_size:
-        differ.append(f"processes: checkpoint {state.get('world_size')}, now {world_size}")
+        differ.append(
+            f"processes (--nproc x --nnodes): checkpoint {state.get('world_size')}, now {world_size}"
+        )
     if differ:
         return f"--resume: the run's settings differ from the checkpoint's ({'; '.join(differ)})"
     # more epochs continue the run; fewer than it has trained would end it with files of two moments
