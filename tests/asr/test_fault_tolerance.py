@@ -530,10 +530,10 @@ def test_a_checkpoint_of_another_version_is_not_skipped_for_an_older_one(referen
         state = torch.load(path, weights_only=True)
         torch.save({**state, "version": state["version"] + 1}, path)
     before = {p.name: p.read_bytes() for p in out.glob("checkpoint*.pt")}
-    done = tandem("--nproc", "1", *TINY, "--epochs", "2", "--out", str(out), "--resume", timeout=120)
-    assert done.returncode == 2 and "checkpoint version 2, this tandem reads version 1" in done.stderr, (
-        done.stdout[-2000:] + done.stderr[-2000:]
-    )
+    args = ("--nproc", "2", *TINY, "--epochs", "2", "--out", str(out), "--master-port", free_port())
+    done = tandem(*args, "--resume", timeout=120)
+    expected = f"--resume: {out / 'checkpoint.pt'}: checkpoint version 2, this tandem reads version 1 ("
+    assert done.returncode == 2 and expected in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
     assert {p.name: p.read_bytes() for p in out.glob("checkpoint*.pt")} == before
 
 

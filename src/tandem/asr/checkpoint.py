@@ -300,8 +300,9 @@ class CheckpointStore:
         self, map_location: str | torch.device = "cpu"
     ) -> tuple[dict[str, Any] | None, Path | None, list[str]]:
         """(state, its path, problems of the newer files skipped), or (None, None, problems) when no
-        checkpoint in the folder can be read, or when one of another version comes before a readable one
-        (a run resumed from the older one would replace and delete it)."""
+        checkpoint in the folder can be read. A checkpoint of another version raises its
+        :class:`CheckpointVersionError`: it is no file to skip (a run resumed from an older one would
+        replace and delete it)."""
         skipped: list[str] = []
         candidates = [self.path] + list(reversed(self.numbered()))
         for path in dict.fromkeys(candidates):
@@ -309,8 +310,8 @@ class CheckpointStore:
                 continue
             try:
                 return load_checkpoint(path, map_location), path, skipped
-            except CheckpointVersionError as e:
-                return None, None, [*skipped, str(e)]
+            except CheckpointVersionError:
+                raise
             except CheckpointError as e:
                 skipped.append(str(e))
         return None, None, skipped

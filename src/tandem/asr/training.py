@@ -37,6 +37,7 @@ from tandem.asr.batch import Batch, collate
 from tandem.asr.checkpoint import (
     CheckpointError,
     CheckpointStore,
+    CheckpointVersionError,
     CheckpointWriteError,
     atomic_write,
     not_written,
@@ -727,7 +728,10 @@ def _starting_state(
         store.remove_leftovers()
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if resume or restarted:
-            state, path, skipped = store.latest()
+            try:
+                state, path, skipped = store.latest()
+            except CheckpointVersionError as e:  # refused, not skipped (see CheckpointStore.latest)
+                return group.broadcast((None, f"--resume: {e}"))  # type: ignore[return-value]
             for problem in skipped:
                 print(f"tandem train: skipping an unreadable checkpoint: {problem}", flush=True)
             if state is None and resume and not restarted:
@@ -751,7 +755,10 @@ def _newest_checkpoint(store: CheckpointStore) -> str:
 
 def _newest(store: CheckpointStore) -> tuple[str, bool]:
     """:func:`_newest_checkpoint`'s sentence, and whether there is one (the store read once)."""
-    state, path, _ = store.latest()
+    try:
+        state, path, _ = store.latest()
+    except CheckpointVersionError as e:
+        return f"The newest is of another version ({e})", False
     if state is None:
         return f"No checkpoint of this run is in {store.folder}", False
     return f"The newest complete one is {path} (step {state.get('step')})", True

@@ -285,10 +285,13 @@ def _check_resume(args: argparse.Namespace) -> str | None:
     """Why ``--resume`` cannot continue from the checkpoint in ``--out`` exactly, or None (speech task)."""
     if not args.resume or args.task != "asr":
         return None
-    from tandem.asr.checkpoint import CheckpointStore
+    from tandem.asr.checkpoint import CheckpointStore, CheckpointVersionError
     from tandem.asr.training import resume_mismatch
 
-    state, _, skipped = CheckpointStore(args.out).latest()
+    try:
+        state, _, skipped = CheckpointStore(args.out).latest()
+    except CheckpointVersionError as e:
+        return f"--resume: {e}"
     if state is None:
         return f"--resume: no readable checkpoint in {args.out} ({'; '.join(skipped)})"
     return resume_mismatch(asr_config(args), args.nproc * args.nnodes, state)
@@ -677,7 +680,7 @@ def _planned_epochs(args: argparse.Namespace) -> int | None:
     out = args.out if args.out is not None else DEFAULTS[args.task]["out"]
     try:
         if args.task == "asr":
-            state = CheckpointStore(out).latest()[0] or {}
+            state = CheckpointStore(out).latest()[0] or {}  # (another version's: refused later)
             epochs = state.get("train_config", {}).get("epochs")
         else:
             epochs = read_checkpoint_file(Path(out) / "checkpoint.pt").get("epochs")
