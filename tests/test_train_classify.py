@@ -255,30 +255,38 @@ def test_resume_from_a_file_that_is_no_classify_checkpoint_is_one_error(tmp_path
     assert "Traceback" not in done.stderr and done.stdout.count("tandem train: GRU") <= 1
 
 
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """A finished 1-epoch run of one process: its checkpoint to damage."""
+    out = tmp_path_factory.mktemp("one_epoch") / "run"
+    done = _tandem("--nproc", "1", "--epochs", "1", *SMALL, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("case", ["changed-in-place", "incomplete"])
-def test_resume_from_a_damaged_or_incomplete_checkpoint_is_one_error(tmp_path, case):
+def test_resume_from_a_damaged_or_incomplete_checkpoint_is_one_error(tmp_path, one_epoch, case):
     """A checkpoint whose bytes changed in place (a bad disk, a copy gone wrong) was resumed from, its
     changed weights taken as numbers; one without its history ended in a KeyError traceback. Both are
     refused as the speech task refuses them."""
     out = tmp_path / "out"
     out.mkdir()
-    state = {"config": {}, "model": {"w": torch.full((1000,), 0.5)}, "optimizer": {}, "epoch": 1}
-    state |= {"history": [], "train_seconds": 1.0}
+    path = out / "checkpoint.pt"
+    state = torch.load(one_epoch / "checkpoint.pt", weights_only=True)
     if case == "incomplete":
         del state["history"]
-    torch.save(state, out / "checkpoint.pt")
-    if case == "changed-in-place":
-        data = (out / "checkpoint.pt").read_bytes()
-        at = data.index(np.full(1000, 0.5, np.float32).tobytes())
-        (out / "checkpoint.pt").write_bytes(data[:at] + np.float32(7.0).tobytes() + data[at + 4 :])
+        torch.save(state, path)
+    else:  # the first weight's first value changed in the file, its archive's checksum not
+        data = (one_epoch / "checkpoint.pt").read_bytes()
+        weight = next(iter(state["model"].values())).numpy()
+        at = data.index(weight.tobytes())
+        path.write_bytes(data[:at] + (weight.flat[0] + 1).tobytes() + data[at + weight.itemsize :])
     done = _tandem("--nproc", "1", "--epochs", "2", *SMALL, "--out", str(out), "--resume", timeout=120)
     expected = {
         "changed-in-place": "a corrupt checkpoint (",
         "incomplete": "incomplete checkpoint, missing ['history']",
     }[case]
-    assert done.returncode == 2 and f"--resume: {out / 'checkpoint.pt'}: {expected}" in done.stderr, (
-        done.stderr[-3000:]
-    )
+    assert done.returncode == 2 and f"--resume: {path}: {expected}" in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
 
 
