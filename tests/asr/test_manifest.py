@@ -12,6 +12,7 @@ import pytest
 import torch
 from _cli import tandem
 
+from tandem.asr.audio import read_audio
 from tandem.asr.augment import FASTEST
 from tandem.asr.corpus import load_spoken_digits
 from tandem.asr.features import FeatureConfig, resample
@@ -414,6 +415,29 @@ def test_test_recordings_that_are_training_recordings_are_warned_of(tmp_path, ca
     assert f"tandem train: warning: {expected}.jsonl line 1)" in warning, warning
     _warn_of_shared_recordings(train, test[1:], Path("train.jsonl"), Path("test.jsonl"))
     assert capsys.readouterr().err == ""
+
+
+def test_the_check_says_of_a_file_what_reading_it_says(tmp_path):
+    """The check reads headers (read_header), not samples: an Ogg/Vorbis file cut short was 'an empty
+    recording (0 samples)' there and a 16-bit float WAV 'not a readable recording (... Unspecified
+    internal error)', where reading either (read_audio) says what it is."""
+    import io
+    import struct
+
+    ogg = io.BytesIO()
+    soundfile.write(ogg, np.random.default_rng(0).uniform(-0.3, 0.3, 16000), 8000, format="OGG")
+    cut = tmp_path / "cut.ogg"
+    cut.write_bytes(ogg.getvalue()[: len(ogg.getvalue()) // 2])
+    half = tmp_path / "half.wav"  # format tag 3 (float), 16 bits
+    fmt = b"fmt " + struct.pack("<IHHIIHH", 16, 3, 1, 8000, 16000, 2, 16)
+    samples = np.linspace(-0.5, 0.5, 800).astype("<f2").tobytes()
+    chunks = fmt + b"data" + struct.pack("<I", len(samples)) + samples
+    half.write_bytes(b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks)
+    for path in (cut, half):
+        with pytest.raises(Exception) as reading:
+            read_audio(path)
+        message = _problem(_manifest(tmp_path, [{"audio_filepath": str(path), "text": "a"}]))
+        assert f":1: audio file {reading.value}" in message, (message, str(reading.value))
 
 
 def test_ctc_frames_needed():

@@ -434,11 +434,25 @@ def _readable(f: BinaryIO, label: str) -> BinaryIO:
 def read_header(path: str | os.PathLike[str]) -> tuple[int, int]:
     """A recording's length in samples (a channel's) and its sample rate, from its header: nothing is
     decoded. A WAV written as a stream with a data size of 0 counts the samples it holds, as
-    :func:`read_audio` reads them."""
+    :func:`read_audio` reads them.
+
+    Raises :class:`AudioError` (naming ``path``) where :func:`read_audio` says more than libsndfile would:
+    a sample format it does not read, a file of a decoded length that decodes to nothing; libsndfile's
+    own errors otherwise."""
     import soundfile
 
     with open(path, "rb") as f:
-        info = soundfile.info(_unknown_size_read_whole(f, _sample_chunk(f)))
+        source = _unknown_size_read_whole(f, _sample_chunk(f))
+        try:
+            info = soundfile.info(source)
+        except (RuntimeError, TypeError, ValueError):
+            unsupported = _unsupported_format(source)
+            if unsupported is not None:
+                raise AudioError(f"{path}: {unsupported}") from None
+            raise
+        if info.frames == 0 and info.format in _DECODED_LENGTH:
+            size = source.seek(0, io.SEEK_END)
+            raise AudioError(_nothing_decoded(str(path), size, f"{info.format} {info.subtype}"))
     return info.frames, info.samplerate
 
 
@@ -498,11 +512,17 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
         reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
     if decoded_none:
-        raise AudioError(
-            f"{label}: no samples could be decoded from its {size} bytes ({kind}); it may be cut short or "
-            "damaged (or hold an empty recording)"
-        )
+        raise AudioError(_nothing_decoded(label, size, kind))
     return samples, rate, silence
+
+
+def _nothing_decoded(label: str, size: int, kind: str) -> str:
+    """What is said of a file of ``size`` bytes, of a format whose length libsndfile decodes
+    (:data:`_DECODED_LENGTH`; ``kind``: its format and subtype), where it found no samples."""
+    return (
+        f"{label}: no samples could be decoded from its {size} bytes ({kind}); it may be cut short or "
+        "damaged (or hold an empty recording)"
+    )
 
 
 def _silence_peak(subtype: str) -> float:

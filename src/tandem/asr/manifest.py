@@ -208,6 +208,8 @@ def check_entry(
         return f"audio file {audio}: {cut}"
     try:
         length, rate = read_header(audio)
+    except AudioError as e:  # what read_audio says of it too (it begins with the file's name)
+        return f"audio file {e}"
     except Exception as e:  # soundfile's errors are RuntimeErrors (LibsndfileError) and others
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"audio file {audio}: not a readable recording ({reason})"
