@@ -1077,7 +1077,10 @@ def _train(
         (peak_rss,) = group.max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
         if not lead:
             return 0
-        written = ["checkpoint.pt"] if saves else []  # (a finished run resumed writes none)
+        # a finished run resumed writes none; a group that torchrun restarted after this launch's last
+        # checkpoint wrote it before its restart
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        written = ["checkpoint.pt"] if saves or restarted else []
         final = run.history[-1] if run.history else {}
         metrics = {
             "task": "asr",
