@@ -337,6 +337,26 @@ def test_an_empty_data_chunk_followed_by_another_chunk_is_an_empty_recording(tmp
         assert (waveform.shape, rate) == ((1, 404), 8000) and read_header(path) == (404, 8000), case
 
 
+def test_a_flac_whose_header_does_not_say_its_length_is_named_so(tmp_path):
+    """A FLAC written into a pipe leaves STREAMINFO's total samples 0, which libsndfile counts as 2^63 - 1
+    frames and cannot read to the end: 'not a readable audio file (array is too big ...)'. It is named
+    for what it is, from reading it and from the check of its header."""
+    from tandem.asr.audio import read_header
+
+    data = io.BytesIO()
+    sf.write(data, _noise(4000, 1), 8000, format="FLAC")
+    flac = bytearray(data.getvalue())
+    flac[8 + 13] &= 0xF0  # STREAMINFO (after "fLaC" and its block header): total samples, 36 bits, to 0
+    flac[8 + 14 : 8 + 18] = bytes(4)
+    assert sf.info(io.BytesIO(bytes(flac))).frames == 2**63 - 1  # what libsndfile makes of it
+    path = tmp_path / "piped.flac"
+    path.write_bytes(bytes(flac))
+    expected = f"{path}: a FLAC file whose header does not say its length (written into a pipe?)"
+    for read in (read_audio, read_header):
+        with pytest.raises(AudioError, match=f"^{re.escape(expected)}"):
+            read(path)
+
+
 def test_float_wavs_of_16_or_24_bits_name_their_sample_format(tmp_path):
     """A WAV of 16-bit (half) or 24-bit float samples (format tag 3, or WAVE_FORMAT_EXTENSIBLE with the
     float sub-format) was 'not a readable audio file (Unspecified internal error)', libsndfile's word for

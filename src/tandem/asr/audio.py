@@ -453,6 +453,8 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, int]:
         if info.frames == 0 and info.format in _DECODED_LENGTH:
             size = source.seek(0, io.SEEK_END)
             raise AudioError(_nothing_decoded(str(path), size, f"{info.format} {info.subtype}"))
+        if info.frames >= _UNKNOWN_FRAMES:
+            raise AudioError(_unknown_length(str(path), info.format))
     return info.frames, info.samplerate
 
 
@@ -478,6 +480,18 @@ def _unknown_size_read_whole(f: BinaryIO, found: tuple[bytes, int | None, int, i
 # where 0 is "not known"), not from a size in the header: a file of them cut short or damaged reads as 0
 # samples (an Ogg/Vorbis file cut before its last page does), which is no sign of an empty recording
 _DECODED_LENGTH = ("OGG", "MP3", "FLAC")
+# libsndfile's frame count of a file whose header does not say it (a FLAC written into a pipe: STREAMINFO's
+# total 0) is 2^63 - 1, and it cannot read such a file to its end (read as one array: "array is too big";
+# in blocks, the seek past the last one fails)
+_UNKNOWN_FRAMES = 2**62
+
+
+def _unknown_length(label: str, kind: str) -> str:
+    """What is said of a file whose length libsndfile does not know (:data:`_UNKNOWN_FRAMES`)."""
+    return (
+        f"{label}: a {kind} file whose header does not say its length (written into a pipe?), which "
+        "libsndfile cannot read to its end; save it again as a file (for example: ffmpeg -i IN OUT.wav)"
+    )
 
 
 def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[np.ndarray, int, float]:
@@ -501,7 +515,9 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
                     frames = max(sound.frames - start, 0)
                 if start:
                     sound.read(start, dtype="float32", always_2d=True)
-            samples = sound.read(frames, dtype="float32", always_2d=True)
+            unknown = sound.frames >= _UNKNOWN_FRAMES
+            if not unknown:
+                samples = sound.read(frames, dtype="float32", always_2d=True)
             decoded_none = sound.frames == 0 and sound.format in _DECODED_LENGTH
             kind = f"{sound.format} {sound.subtype}"
             rate = sound.samplerate
@@ -511,6 +527,8 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
             raise AudioError(f"{label}: {unsupported}") from None
         reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
+    if unknown:
+        raise AudioError(_unknown_length(label, kind.split()[0]))
     if decoded_none:
         raise AudioError(_nothing_decoded(label, size, kind))
     return samples, rate, silence
