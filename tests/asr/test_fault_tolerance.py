@@ -108,14 +108,24 @@ def test_sigint_stops_after_a_checkpoint_and_resume_continues_exactly(reference,
     assert code == 130, log[-3000:]
     assert "stopping after the current step" in log and "stopped by a signal after step" in log
     assert "to continue: tandem train" in log and log.rstrip().endswith("--resume")
-    stopped_at = load_checkpoint(out / "checkpoint.pt")["step"]
+    stopped = load_checkpoint(out / "checkpoint.pt")
+    stopped_at = stopped["step"]
     assert 5 <= stopped_at < 22 and not (out / "metrics.json").exists()
+    assert 0 < stopped["epoch_seconds"] < 60
+    # the epoch's seconds before the stop, as if it had been slow: what the resumed epoch's record adds
+    torch.save(
+        {**torch.load(out / "checkpoint.pt", weights_only=True), "epoch_seconds": 1000.0},
+        out / "checkpoint.pt",
+    )
     # without --epochs: the run's own 1 (the default, 48, extended the run and changed its schedule)
     given = [a for i, a in enumerate(args) if "--epochs" not in (a, args[i - 1])]
     rest = tandem(*given, "--resume", timeout=120)
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert f"resuming at step {stopped_at}" in rest.stdout
     _assert_same_run(out, reference)
+    # the epoch's seconds count its part before the stop (only the resumed part's were counted)
+    (epoch,) = json.loads((out / "metrics.json").read_text())["history"]
+    assert 1000 < epoch["train_seconds"] < epoch["seconds"] < 1100, epoch
     # a run of another configuration is refused before launch, saying what differs; nothing is touched
     before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
     other = tandem(*args, "--hidden", "16", "--resume", timeout=120)

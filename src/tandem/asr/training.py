@@ -377,6 +377,10 @@ class Run:
         self.total_steps = config.epochs * len(self.batches_of(0))
         self.history: list[dict[str, Any]] = []
         self.seconds_before = 0.0
+        # when the current epoch began, on this process's clock (set by the loop; a resumed epoch's start
+        # is moved back by the seconds it trained before its checkpoint, "epoch_seconds")
+        self.epoch_started = time.perf_counter()
+        self.epoch_seconds_before = 0.0
 
     # ---- checkpoints
     def state(self) -> dict[str, Any]:
@@ -396,6 +400,9 @@ class Run:
             "epoch_count": self.epoch_count,
             "history": self.history,
             "train_seconds": self.seconds_before,
+            # the current epoch's seconds so far, which a resume adds to its record's (it counted only the
+            # resumed part); none at an epoch's end
+            "epoch_seconds": time.perf_counter() - self.epoch_started if self.position else 0.0,
             "rng": _rng_state(),
             "data_fingerprints": self.fingerprints,
         }
@@ -417,6 +424,7 @@ class Run:
         self.position = state.get("position", 0)
         self.epoch_loss, self.epoch_count = state.get("epoch_loss", 0.0), state.get("epoch_count", 0.0)
         self.history, self.seconds_before = state["history"], state["train_seconds"]
+        self.epoch_seconds_before = state.get("epoch_seconds", 0.0) if self.position else 0.0
         if "rng" in state:
             _set_rng_state(state["rng"])
 
@@ -972,7 +980,8 @@ def _train(
     try:
         steps = run.batches(workers, worker_cores)
         while run.epoch < config.epochs and not stopped:
-            epoch_start = time.perf_counter()
+            epoch_start = run.epoch_started = time.perf_counter() - run.epoch_seconds_before
+            run.epoch_seconds_before = 0.0  # (a resumed epoch's, once)
             count = len(run.batches_of(run.epoch))
             bar = tqdm(
                 total=count, initial=run.position, desc=f"epoch {run.epoch + 1}/{config.epochs}",
