@@ -135,11 +135,17 @@ def _bad_manifests(tmp_path: Path, good_wav: Path) -> dict[str, tuple[list[objec
         ),
         "huge-integer-offset": (  # an integer beyond float's range: OverflowError, a traceback
             [ok, f'{{"audio_filepath": "{good_wav}", "text": "two", "offset": 1{"0" * 400}}}'],
-            ":2: expected 'offset' to be a number of seconds, 0 or more, got 1000",
+            ":2: expected 'offset' to be a number of seconds, 0 or more, got 100000000000... (an integer of "
+            "401 digits)",
+        ),
+        "longer-integer": (  # more digits than Python converts: json's ValueError, a traceback
+            [ok, f'{{"audio_filepath": "{good_wav}", "text": "two", "offset": 1{"0" * 5000}}}'],
+            ":2: invalid JSON (Exceeds the limit (4300 digits) for integer string conversion",
         ),
         "blank": (  # --alphabet, the hint, refuses the blank
             [ok, {"audio_filepath": str(good_wav), "text": "two_three"}],
-            ":2: characters '_' are not in the alphabet \" 'abcdefghijklmnopqrstuvwxyz\" ('_' is CTC's blank",
+            ":2: characters '_' are not in the alphabet \" 'abcdefghijklmnopqrstuvwxyz\" ('_' is CTC's blank "
+            "and cannot be a character)",
         ),
         "pipe": (
             [ok, {"audio_filepath": str(pipe), "text": "two"}],
@@ -364,11 +370,10 @@ def test_a_manifest_not_in_utf8_names_the_line(tmp_path, manifests):
     good = next((manifests[0].parent / "audio").glob("*.wav"))
     path = tmp_path / "latin1.jsonl"
     lines = [{"audio_filepath": str(good), "text": "two"}, {"audio_filepath": str(good), "text": "café"}]
-    path.write_bytes("\n".join(json.dumps(x, ensure_ascii=False) for x in lines).encode("latin-1"))
-    with pytest.raises(
-        ManifestError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9: .*\); expected a manifest"
-    ):
-        read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
+    for end in ("\n", "\r\n", "\r"):  # the line endings the manifest's lines end at
+        path.write_bytes(end.join(json.dumps(x, ensure_ascii=False) for x in lines).encode("latin-1"))
+        with pytest.raises(ManifestError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9: .*\); expected a"):
+            read_manifest(path, ENGLISH, FeatureConfig(), ModelConfig())
 
 
 def test_transcripts_and_the_alphabet_are_compared_in_composed_form(tmp_path, manifests):
@@ -402,7 +407,7 @@ def test_the_problems_of_both_manifests_come_in_one_error(tmp_path, manifests):
     assert f"--test-manifest {test}: 1 problem(s)" in done.stderr and bad["missing-file"][1] in done.stderr
 
 
-def test_test_recordings_that_are_training_recordings_are_warned_of(tmp_path, capsys):
+def test_test_recordings_that_are_training_recordings_are_warned_of(tmp_path, capsys, monkeypatch):
     from tandem.asr.manifest import Entry
     from tandem.cli.train import _warn_of_shared_recordings
 
@@ -415,6 +420,12 @@ def test_test_recordings_that_are_training_recordings_are_warned_of(tmp_path, ca
     assert f"tandem train: warning: {expected}.jsonl line 1)" in warning, warning
     _warn_of_shared_recordings(train, test[1:], Path("train.jsonl"), Path("test.jsonl"))
     assert capsys.readouterr().err == ""
+    # once: under a torchrun started by hand every rank checks the manifests, at every restart
+    for name, value in (("RANK", "1"), ("TORCHELASTIC_RESTART_COUNT", "1")):
+        with monkeypatch.context() as patch:
+            patch.setenv(name, value)
+            _warn_of_shared_recordings(train, test, Path("train.jsonl"), Path("test.jsonl"))
+        assert capsys.readouterr().err == "", name
 
 
 def test_the_check_says_of_a_file_what_reading_it_says(tmp_path):

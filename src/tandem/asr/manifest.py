@@ -118,7 +118,8 @@ def read_manifest(
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
+        before = data[: e.start]  # lines end at "\n", "\r\n" or "\r", as below
+        line = before.count(b"\n") + before.count(b"\r") - before.count(b"\r\n") + 1
         raise ManifestError(
             f"{what} {path}:{line}: not UTF-8 (byte {data[e.start]:#04x}: {e.reason}); expected a manifest "
             "saved as UTF-8"
@@ -138,6 +139,8 @@ def read_manifest(
             item = json.loads(raw)
         except json.JSONDecodeError as e:
             problem = f"invalid JSON ({e.msg} at column {e.colno})"
+        except ValueError as e:  # an integer of more than 4300 digits, Python's limit (not a JSONDecodeError)
+            problem = f"invalid JSON ({str(e).split(';')[0]})"
         else:
             entry_or_problem = check_entry(
                 item, path, number, alphabet, features, model, least_frames, shortest
@@ -184,9 +187,8 @@ def check_entry(
         chars = "".join(unknown)
         hint = "--alphabet adds them"
         if BLANK in chars:  # which --alphabet refuses
-            hint = f"{BLANK!r} is CTC's blank and cannot be a character; " + hint.replace(
-                "them", "the others"
-            )
+            others = "; --alphabet adds the others" if len(chars) > 1 else ""
+            hint = f"{BLANK!r} is CTC's blank and cannot be a character{others}"
         return f"characters {chars!r} are not in the alphabet {alphabet.characters!r} ({hint})"
     audio = Path(item["audio_filepath"])
     audio = audio if audio.is_absolute() else manifest.parent / audio
@@ -283,7 +285,8 @@ def _seconds(item: dict, key: str) -> float | str | None:
     # (an integer beyond float's range, 1 and 400 zeros, is no number of seconds: isfinite overflowed)
     number = number and (abs(value) < 2**1023 if isinstance(value, int) else math.isfinite(value))
     if not number or value < 0 or (key == "duration" and value == 0):
-        return repr(value)
+        shown = repr(value)
+        return shown if len(shown) <= 24 else f"{shown[:12]}... (an integer of {len(shown)} digits)"
     return float(value)
 
 

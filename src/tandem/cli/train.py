@@ -368,6 +368,8 @@ def _check_manifests(args: argparse.Namespace) -> str | None:
 def _warn_of_shared_recordings(train: list, test: list, train_path: Path, test_path: Path) -> None:
     """A warning on stderr where test recordings (the same file and part of it) are training recordings
     too: their WER says how well the model learned them, not how it hears what it never heard."""
+    if os.environ.get("RANK", "0") != "0" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return  # once: every rank of a torchrun started by hand checks the manifests, at every restart
     trained = {(os.path.realpath(e.path), e.start, e.frames): e.line for e in train}
     shared = [
         (e.line, trained[k]) for e in test if (k := (os.path.realpath(e.path), e.start, e.frames)) in trained
@@ -884,6 +886,9 @@ def _launch(args: argparse.Namespace) -> int:
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
         **{EXIT_FILE_ENV: str(exit_file), _OUT_HELD_ENV: "1", LAUNCHER_PID_ENV: str(os.getpid())},
     )
+    from tandem.asr.training import LAUNCHED_AT_ENV
+
+    env[LAUNCHED_AT_ENV] = repr(time.time())
     if getattr(args, "checked_manifests", None) is not None:
         # rank 0 takes the entries checked here instead of reading every recording's header again (at
         # every launch and restart), where the manifests have not changed since
