@@ -215,7 +215,8 @@ def test_resume_with_other_settings_is_a_clear_error(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     done = _tandem("--nproc", "2", "--epochs", "2", *SMALL, "--out", str(out), "--resume", timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
-    message = "--resume: the run's settings differ from the checkpoint's (world_size: checkpoint 1, now 2)"
+    message = "--resume: the run's settings differ from the checkpoint's (processes (--nproc x --nnodes): "
+    message += "checkpoint 1, now 2)"  # (it named the setting's key, world_size)
     assert done.stderr.count(message) == 1, done.stderr[-3000:]  # once: one launch, no restarts
     assert "Traceback" not in done.stderr
 

@@ -278,6 +278,26 @@ def test_resume_with_fewer_epochs_than_trained_is_refused():
     )
 
 
+def test_the_closing_line_names_a_checkpoint_this_launch_wrote(tmp_path, monkeypatch):
+    """A process that wrote no checkpoint itself: a finished run resumed wrote none; a group that torchrun
+    restarted after its launch's last checkpoint wrote it before the restart (a checkpoint newer than the
+    launch), unless that launch was a resume of a finished run (older)."""
+    import os
+
+    from tandem.asr.training import LAUNCHED_AT_ENV, _launch_wrote
+
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"")
+    os.utime(checkpoint, (1000.0, 1000.0))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert not _launch_wrote(checkpoint)  # no restart: the process would know
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv(LAUNCHED_AT_ENV, "999.5")
+    assert _launch_wrote(checkpoint)
+    monkeypatch.setenv(LAUNCHED_AT_ENV, "1000.5")
+    assert not _launch_wrote(checkpoint)  # (it said checkpoint.pt after any restart)
+
+
 def test_a_resume_names_the_options_whose_settings_differ():
     """It named settings by their keys ("model.hidden", "processes", "augment" where --test-speaker
     changed), which are no options of tandem train."""

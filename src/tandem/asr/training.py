@@ -723,6 +723,23 @@ def train(
     return code
 
 
+def _launch_wrote(checkpoint: Path) -> bool:
+    """Whether this launch wrote ``checkpoint``, asked of a process that wrote none itself: a finished run
+    resumed wrote none; a group that torchrun restarted after the launch's last checkpoint did (before
+    the restart), where the file is newer than the launch (:data:`LAUNCHED_AT_ENV`; under a torchrun
+    started by hand, any restart is taken to have)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    try:
+        launched = float(os.environ[LAUNCHED_AT_ENV])
+    except (KeyError, ValueError):
+        return checkpoint.exists()
+    try:
+        return checkpoint.stat().st_mtime >= launched
+    except OSError:
+        return False
+
+
 def _starting_state(
     run: Run, store: CheckpointStore, resume: bool, group: Group
 ) -> tuple[dict[str, Any] | None, str | None]:
@@ -801,6 +818,9 @@ def _data_sets(config: TrainConfig, group: Group) -> tuple[DataSets | None, str 
 
 
 # A file where tandem train's launcher left the manifests' entries it checked (see manifest_entries)
+# When tandem train's launcher started the ranks (time.time()): what a group torchrun restarted without a
+# checkpoint of its own compares checkpoint.pt's time with, to say whether this launch wrote it
+LAUNCHED_AT_ENV = "TANDEM_TRAIN_LAUNCHED_AT"
 CHECKED_MANIFESTS_ENV = "TANDEM_TRAIN_CHECKED_MANIFESTS"
 
 
@@ -1086,10 +1106,7 @@ def _train(
         (peak_rss,) = group.max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
         if not lead:
             return 0
-        # a finished run resumed writes none; a group that torchrun restarted after this launch's last
-        # checkpoint wrote it before its restart
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        written = ["checkpoint.pt"] if saves or restarted else []
+        written = ["checkpoint.pt"] if saves or _launch_wrote(store.path) else []
         final = run.history[-1] if run.history else {}
         metrics = {
             "task": "asr",

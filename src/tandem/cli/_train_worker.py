@@ -31,6 +31,10 @@ __all__ = ["train"]
 
 # what a checkpoint must agree on to be resumed with the current arguments
 _RUN_KEYS = ("cell", "hidden", "layers", "lr", "batch_size", "seed", "world_size", "data")
+# how a resume names them: by the options that set them
+_OPTION_OF = {k: f"--{k.replace('_', '-')}" for k in _RUN_KEYS} | {
+    "world_size": "processes (--nproc x --nnodes)"
+}
 
 
 def _plot(history: list[dict[str, float]], path: Path) -> bool:
@@ -161,7 +165,9 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
             if checkpoint["config"].get(k) != v
         }
         if changed:
-            detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
+            detail = "; ".join(
+                f"{_OPTION_OF[k]}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items()
+            )
             _error(lead, f"--resume: the run's settings differ from the checkpoint's ({detail})")
             return 2
         trained = checkpoint["epoch"]
