@@ -817,10 +817,10 @@ def _data_sets(config: TrainConfig, group: Group) -> tuple[DataSets | None, str 
     return DataSets(train, test, 1), None
 
 
-# A file where tandem train's launcher left the manifests' entries it checked (see manifest_entries)
 # When tandem train's launcher started the ranks (time.time()): what a group torchrun restarted without a
 # checkpoint of its own compares checkpoint.pt's time with, to say whether this launch wrote it
 LAUNCHED_AT_ENV = "TANDEM_TRAIN_LAUNCHED_AT"
+# A file where tandem train's launcher left the manifests' entries it checked (see manifest_entries)
 CHECKED_MANIFESTS_ENV = "TANDEM_TRAIN_CHECKED_MANIFESTS"
 
 
