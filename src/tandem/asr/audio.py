@@ -450,11 +450,10 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, int]:
             if unsupported is not None:
                 raise AudioError(f"{path}: {unsupported}") from None
             raise
-        if info.frames == 0 and info.format in _DECODED_LENGTH:
-            size = source.seek(0, io.SEEK_END)
-            raise AudioError(_nothing_decoded(str(path), size, f"{info.format} {info.subtype}"))
-        if info.frames >= _UNKNOWN_FRAMES:
-            raise AudioError(_unknown_length(str(path), info.format))
+        size = source.seek(0, io.SEEK_END)
+        problem = _length_problem(str(path), info.frames, info.format, info.subtype, size)
+        if problem is not None:
+            raise AudioError(problem)
     return info.frames, info.samplerate
 
 
@@ -486,12 +485,22 @@ _DECODED_LENGTH = ("OGG", "MP3", "FLAC")
 _UNKNOWN_FRAMES = 2**62
 
 
-def _unknown_length(label: str, kind: str) -> str:
-    """What is said of a file whose length libsndfile does not know (:data:`_UNKNOWN_FRAMES`)."""
-    return (
-        f"{label}: a {kind} file whose header does not say its length (written into a pipe?), which "
-        "libsndfile cannot read to its end; save it again as a file (for example: ffmpeg -i IN OUT.wav)"
-    )
+def _length_problem(label: str, frames: int, format: str, subtype: str, size: int) -> str | None:
+    """What is wrong with a file of ``size`` bytes whose length libsndfile gives as ``frames`` (its
+    ``format`` and ``subtype``), or None: a length no header says (:data:`_UNKNOWN_FRAMES`), or no samples
+    in a format whose length it decodes (:data:`_DECODED_LENGTH`). Said alike by :func:`read_audio` and
+    by :func:`read_header`."""
+    if frames >= _UNKNOWN_FRAMES:
+        return (
+            f"{label}: a {format} file whose header does not say its length (written into a pipe?), which "
+            "libsndfile cannot read to its end; save it again as a file (for example: ffmpeg -i IN OUT.wav)"
+        )
+    if frames == 0 and format in _DECODED_LENGTH:
+        return (
+            f"{label}: no samples could be decoded from its {size} bytes ({format} {subtype}); it may be cut "
+            "short or damaged (or hold an empty recording)"
+        )
+    return None
 
 
 def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[np.ndarray, int, float]:
@@ -515,11 +524,9 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
                     frames = max(sound.frames - start, 0)
                 if start:
                     sound.read(start, dtype="float32", always_2d=True)
-            unknown = sound.frames >= _UNKNOWN_FRAMES
-            if not unknown:
+            problem = _length_problem(label, sound.frames, sound.format, sound.subtype, size)
+            if problem is None:
                 samples = sound.read(frames, dtype="float32", always_2d=True)
-            decoded_none = sound.frames == 0 and sound.format in _DECODED_LENGTH
-            kind = f"{sound.format} {sound.subtype}"
             rate = sound.samplerate
     except (RuntimeError, TypeError, ValueError) as e:  # soundfile.LibsndfileError is a RuntimeError
         unsupported = _unsupported_format(f)
@@ -527,20 +534,9 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
             raise AudioError(f"{label}: {unsupported}") from None
         reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
-    if unknown:
-        raise AudioError(_unknown_length(label, kind.split()[0]))
-    if decoded_none:
-        raise AudioError(_nothing_decoded(label, size, kind))
+    if problem is not None:
+        raise AudioError(problem)
     return samples, rate, silence
-
-
-def _nothing_decoded(label: str, size: int, kind: str) -> str:
-    """What is said of a file of ``size`` bytes, of a format whose length libsndfile decodes
-    (:data:`_DECODED_LENGTH`; ``kind``: its format and subtype), where it found no samples."""
-    return (
-        f"{label}: no samples could be decoded from its {size} bytes ({kind}); it may be cut short or "
-        "damaged (or hold an empty recording)"
-    )
 
 
 def _silence_peak(subtype: str) -> float:
