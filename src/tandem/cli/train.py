@@ -285,11 +285,11 @@ def _check_resume(args: argparse.Namespace) -> str | None:
     """Why ``--resume`` cannot continue from the checkpoint in ``--out`` exactly, or None (speech task)."""
     if not args.resume or args.task != "asr":
         return None
-    from tandem.asr.checkpoint import CheckpointStore, CheckpointVersionError
+    from tandem.asr.checkpoint import CheckpointVersionError
     from tandem.asr.training import resume_mismatch
 
     try:
-        state, _, skipped = CheckpointStore(args.out).latest()
+        state, _, skipped = _latest_checkpoint(args, args.out)
     except CheckpointVersionError as e:
         return f"--resume: {e}"
     if state is None:
@@ -684,18 +684,33 @@ def _planned_epochs(args: argparse.Namespace) -> int | None:
     """The epochs the run in --out was started with, which --resume without --epochs trains to (the task's
     default extended a 2-epoch run to 48, its learning-rate schedule with it), or None where no
     checkpoint says (one unreadable is refused later, by the checks of a resume)."""
-    from tandem.asr.checkpoint import CheckpointError, CheckpointStore, read_checkpoint_file
+    from tandem.asr.checkpoint import CheckpointError, read_checkpoint_file
 
     out = args.out if args.out is not None else DEFAULTS[args.task]["out"]
     try:
         if args.task == "asr":
-            state = CheckpointStore(out).latest()[0] or {}  # (another version's: refused later)
+            state = _latest_checkpoint(args, out)[0] or {}  # (another version's: refused later)
             epochs = state.get("train_config", {}).get("epochs")
         else:
             epochs = read_checkpoint_file(Path(out) / "checkpoint.pt").get("epochs")
     except (CheckpointError, AttributeError, OSError):
         return None
     return epochs if isinstance(epochs, int) and epochs > 0 else None
+
+
+def _latest_checkpoint(args: argparse.Namespace, out: Path) -> tuple:
+    """``CheckpointStore(out).latest()`` without the weights (the settings and where the run is, what the
+    launcher's checks read), read once for a launch: a resume's epochs, then its check, each read a whole
+    checkpoint. The folder does not change between them (a run writing there is refused)."""
+    from tandem.asr.checkpoint import CheckpointStore
+
+    cached = getattr(args, "latest_checkpoint", None)
+    if cached is None or cached[0] != Path(out):
+        state, path, skipped = CheckpointStore(out).latest()
+        if state is not None:  # (not kept in memory through the run)
+            state = {k: v for k, v in state.items() if k not in ("model", "optimizer", "rng")}
+        cached = args.latest_checkpoint = (Path(out), (state, path, skipped))
+    return cached[1]
 
 
 def _in_thread(compute: Callable[[], object]) -> object:
