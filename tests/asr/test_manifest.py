@@ -423,6 +423,7 @@ def test_test_recordings_that_are_training_recordings_are_warned_of(tmp_path, ca
     # once: under a torchrun started by hand every rank checks the manifests, at every restart
     for name, value in (("RANK", "1"), ("TORCHELASTIC_RESTART_COUNT", "1")):
         with monkeypatch.context() as patch:
+            patch.setenv("WORLD_SIZE", "2")  # (a process torchrun started)
             patch.setenv(name, value)
             _warn_of_shared_recordings(train, test, Path("train.jsonl"), Path("test.jsonl"))
         assert capsys.readouterr().err == "", name

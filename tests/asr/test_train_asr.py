@@ -291,6 +291,7 @@ def test_the_closing_line_names_a_checkpoint_this_launch_wrote(tmp_path, monkeyp
     os.utime(checkpoint, (1000.0, 1000.0))
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     assert not _launch_wrote(checkpoint)  # no restart: the process would know
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (processes torchrun started)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setenv(LAUNCHED_AT_ENV, "999.5")
     assert _launch_wrote(checkpoint)

@@ -44,7 +44,14 @@ from tandem.asr.checkpoint import (
 )
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
-from tandem.asr.distributed import Group, WorkerCores, pick_device, pin_to_cores, rank_threads
+from tandem.asr.distributed import (
+    Group,
+    WorkerCores,
+    pick_device,
+    pin_to_cores,
+    rank_threads,
+    torchrun_int,
+)
 from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
 from tandem.asr.interrupt import (
@@ -728,7 +735,7 @@ def _launch_wrote(checkpoint: Path) -> bool:
     resumed wrote none; a group that torchrun restarted after the launch's last checkpoint did (before
     the restart), where the file is newer than the launch (:data:`LAUNCHED_AT_ENV`; under a torchrun
     started by hand, any restart is taken to have)."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if torchrun_int("TORCHELASTIC_RESTART_COUNT", 0) == 0:
         return False
     try:
         launched = float(os.environ[LAUNCHED_AT_ENV])

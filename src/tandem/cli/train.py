@@ -368,7 +368,9 @@ def _check_manifests(args: argparse.Namespace) -> str | None:
 def _warn_of_shared_recordings(train: list, test: list, train_path: Path, test_path: Path) -> None:
     """A warning on stderr where test recordings (the same file and part of it) are training recordings
     too: their WER says how well the model learned them, not how it hears what it never heard."""
-    if os.environ.get("RANK", "0") != "0" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    from tandem.asr.distributed import torchrun_int
+
+    if torchrun_int("RANK", 0) or torchrun_int("TORCHELASTIC_RESTART_COUNT", 0):
         return  # once: every rank of a torchrun started by hand checks the manifests, at every restart
     # by file name first, then by real path (system calls: 6 s for LibriSpeech's 281k lines) only where
     # the names agree (so a link under another name than its file's is not seen as the file)
