@@ -1007,7 +1007,7 @@ def _train(
     try:
         steps = run.batches(workers, worker_cores)
         while run.epoch < config.epochs and not stopped:
-            epoch_start = run.epoch_started = time.perf_counter() - run.epoch_seconds_before
+            run.epoch_started = time.perf_counter() - run.epoch_seconds_before
             run.epoch_seconds_before = 0.0  # (a resumed epoch's, once)
             count = len(run.batches_of(run.epoch))
             bar = tqdm(
@@ -1051,7 +1051,7 @@ def _train(
             if run.position < count:
                 break  # stopped mid-epoch, or a checkpoint not written
             loss_sum, count = run.end_epoch()
-            train_seconds = time.perf_counter() - epoch_start
+            train_seconds = time.perf_counter() - run.epoch_started
             try:
                 rates, examples = run.evaluate()
             except BadRecordings as e:  # raised on every rank
@@ -1065,7 +1065,7 @@ def _train(
                 "test_cer": rates.cer,
                 "test_accuracy": rates.accuracy,
                 "test_words": rates.words,
-                "seconds": time.perf_counter() - epoch_start,
+                "seconds": time.perf_counter() - run.epoch_started,
                 "train_seconds": train_seconds,
                 "utterances": count,
             }
