@@ -327,6 +327,29 @@ def test_triton_kernel_optimizer_matches_torch():
     torch.testing.assert_close([p.detach().cpu() for p in ours_ps], [p.detach() for p in torch_ps])
 
 
+@needs_triton
+def test_triton_kernel_optimizer_with_a_float64_step_count_set_by_hand_matches_torch():
+    """A step count put into the state in float64 (as torch's for-loop path keeps it under a float64
+    default dtype): the kernel read its memory as a float32, a wrong lr_decay'd rate without a word."""
+    from tandem.optim import Adagrad
+
+    init = torch.linspace(0, 1, 6)
+    ours_p, torch_p = torch.nn.Parameter(init.to(TRITON_DEVICE)), torch.nn.Parameter(init.clone())
+    ours, theirs = (
+        Adagrad([ours_p], lr=0.1, lr_decay=0.5),
+        torch.optim.Adagrad([torch_p], lr=0.1, lr_decay=0.5),
+    )
+    for opt, p in ((ours, ours_p), (theirs, torch_p)):
+        opt.state[p]["step"] = torch.tensor(0.0, dtype=torch.float64, device=p.device)
+    for t in range(3):
+        g = torch.sin(torch_p.detach() * (t + 2))
+        ours_p.grad, torch_p.grad = g.to(TRITON_DEVICE), g
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(ours_p.detach().cpu(), torch_p.detach(), rtol=1e-6, atol=0)
+    assert float(ours.state[ours_p]["step"]) == 3.0
+
+
 def _compile_for_sm90(dtype, vec):
     """PTX of the kernel for an H100 (sm_90), compiled ahead of time: no GPU needed, only ptxas."""
     triton = pytest.importorskip("triton")

@@ -357,10 +357,20 @@ def test_bad_hyper_parameters_raise_torchs_error(kwargs):
         Adagrad(params, **kwargs)
 
 
-@pytest.mark.parametrize("tol", [-1e-3, float("nan"), "1e-3"], ids=["negative", "nan", "string"])
+@pytest.mark.parametrize(
+    "tol",
+    [-1e-3, float("nan"), "1e-3", True, np.bool_(False), torch.tensor([1e-3, 1e-3]), torch.tensor(-1.0)],
+    ids=["negative", "nan", "string", "bool", "numpy-bool", "two-elements", "negative-tensor"],
+)
 def test_bad_tol_raises(tol):
-    with pytest.raises(ValueError, match="Invalid tol value"):
+    with pytest.raises(ValueError, match=r"Invalid tol value: expected None or a real number >= 0, got \S"):
         Adagrad([torch.nn.Parameter(torch.zeros(3))], tol=tol)
+
+
+@pytest.mark.parametrize("tol", [np.float32(0.25), np.int64(0), torch.tensor(0.25), Fraction(1, 4)], ids=str)
+def test_tol_of_other_number_types_is_taken_as_a_float(tol):
+    opt = Adagrad([torch.nn.Parameter(torch.zeros(3))], tol=tol)
+    assert type(opt.tol) is float and opt.tol == float(tol)
 
 
 @pytest.mark.parametrize(
@@ -591,6 +601,68 @@ def test_a_state_without_step_is_torchs_key_error_before_any_change():
     with pytest.raises(KeyError, match="expected 'step' in the state of each parameter"):
         opt.load_state_dict(sd)
     assert opt.param_groups[0]["lr"] == 1e-2 and torch.equal(opt.state[p]["sum"], torch.full((4,), 0.1))
+
+
+def _with_state_set_by_hand(cls, key, value):
+    """Two parameters, the second's state[key] replaced by ``value`` (opt.state written directly, past
+    load_state_dict's checks), one step: (error or None, parameters, step counts)."""
+    a, b = torch.nn.Parameter(torch.linspace(0, 1, 3)), torch.nn.Parameter(torch.linspace(1, 2, 8).view(4, 2))
+    opt = cls([a, b], lr=0.1, lr_decay=0.5)
+    opt.state[b][key] = value
+    error = None
+    for t in range(3):
+        a.grad, b.grad = torch.sin(a.detach() * (t + 2)), torch.cos(b.detach() * (t + 2))
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - compared with torch's below
+            error = e
+            break
+    return error, [a.detach().clone(), b.detach().clone()], [opt.state[p]["step"] for p in (a, b)]
+
+
+@pytest.mark.parametrize(
+    "step", [torch.tensor(0), torch.tensor(0.0, dtype=torch.float64)], ids=["int64", "float64"]
+)
+def test_a_step_count_set_by_hand_in_another_dtype_steps_as_torch(step):
+    """torch counts on in it; the fused update read its memory as float32 (on the GPU: a wrong rate)."""
+    theirs = _with_state_set_by_hand(torch.optim.Adagrad, "step", step.clone())
+    ours = _with_state_set_by_hand(Adagrad, "step", step.clone())
+    assert theirs[0] is None and ours[0] is None, ours[0]
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-6, atol=0)
+    assert [float(t) for t in ours[2]] == [float(t) for t in theirs[2]] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("sum", torch.zeros(2, 4)), ("step", 0.0)],
+    ids=["sum-of-another-shape-as-many-elements", "step-a-python-number"],
+)
+def test_a_state_set_by_hand_that_torch_refuses_is_its_error_before_any_change(key, value):
+    """A sum of the parameter's size in another shape was updated as if flat; a step count that is no
+    tensor raised an AttributeError. torch refuses both (the sum after moving the first parameter)."""
+    theirs = _with_state_set_by_hand(torch.optim.Adagrad, key, value)
+    ours = _with_state_set_by_hand(Adagrad, key, value)
+    assert type(ours[0]) is type(theirs[0]) is RuntimeError and str(ours[0]) == str(theirs[0])
+    untouched = [torch.linspace(0, 1, 3), torch.linspace(1, 2, 8).view(4, 2)]
+    torch.testing.assert_close(ours[1], untouched, rtol=0, atol=0)
+    assert float(ours[2][0]) == 0.0
+
+
+def test_a_group_added_with_differentiable_to_an_optimizer_made_without_it_steps_as_torch():
+    """torch steps with grad mode as the optimizer was made (off): the group's leaf parameters update
+    as any other's; they were refused with autograd's in-place error."""
+
+    def run(cls, lr):
+        a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+        opt = cls([a], lr=0.1)
+        opt.add_param_group({"params": [b], "differentiable": True, "lr": lr})
+        for _ in range(2):
+            a.grad, b.grad = torch.ones(3), torch.full((3,), 2.0)
+            opt.step()
+        return [a.detach(), b.detach()]
+
+    for lr in (0.2, torch.tensor(0.2, requires_grad=True)):
+        torch.testing.assert_close(run(Adagrad, lr), run(torch.optim.Adagrad, lr), rtol=0, atol=0)
 
 
 def test_differentiable_refuses_an_lr_that_requires_grad():

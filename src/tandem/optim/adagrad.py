@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,23 @@ def _float32_at_most(value: float) -> float:
     return float(rounded)
 
 
+def _checked_tol(tol: Any) -> float | None:
+    """``tol`` as a float (a Python, numpy or 1-element tensor real number >= 0), or None."""
+    if tol is None:
+        return None
+    value = None
+    if isinstance(tol, Tensor):
+        if tol.numel() == 1 and not (tol.is_complex() or tol.dtype == torch.bool):
+            value = tol.item()
+    elif isinstance(tol, numbers.Real) and not isinstance(tol, (bool, np.bool_)):
+        value = float(tol)
+    if value is None or not value >= 0.0:  # (NaN too)
+        many = isinstance(tol, Tensor) and tol.numel() != 1
+        shown = f"a tensor of shape {list(tol.shape)}" if many else repr(tol)
+        raise ValueError(f"Invalid tol value: expected None or a real number >= 0, got {shown}")
+    return float(value)
+
+
 class Adagrad(Optimizer):
     r"""Adagrad, a drop-in for :class:`torch.optim.Adagrad` with a fused update and a convergence test.
 
@@ -149,8 +167,7 @@ class Adagrad(Optimizer):
         # torch.optim.Adagrad's checks and messages, in its order (the hyper-parameters, the parameters in
         # Optimizer.__init__, then fused's options), and tol's before them.
         check_hyperparameters(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
-        if tol is not None and not (isinstance(tol, (int, float)) and tol >= 0.0):
-            raise ValueError(f"Invalid tol value: {tol} (expected None or a number >= 0)")
+        tol = _checked_tol(tol)
 
         defaults = dict(
             lr=lr,
@@ -331,14 +348,17 @@ class Adagrad(Optimizer):
                     )
                 if group["fused"] and group["differentiable"]:  # set after construction: torch's error
                     raise RuntimeError("adagrad with fused=True does not support differentiable=True")
-                if group["differentiable"] and any(p.is_leaf and p.requires_grad for p in params):
+                differentiable = group["differentiable"] and self.defaults["differentiable"]
+                if differentiable and any(p.is_leaf and p.requires_grad for p in params):
                     # what torch's differentiable update raises at its in-place change of such a parameter,
-                    # after it has counted the step and added to the sum: here before anything changes
+                    # after it has counted the step and added to the sum: here before anything changes.
+                    # (torch steps with grad mode as the optimizer was made: a group added with
+                    # differentiable=True to one made without it updates as any other.)
                     raise RuntimeError(
                         "a leaf Variable that requires grad is being used in an in-place operation."
                     )
                 lr = group["lr"]  # (a tensor of more elements: hyperparameters' TypeError, as torch's)
-                if group["differentiable"] and isinstance(lr, Tensor) and lr.requires_grad:
+                if differentiable and isinstance(lr, Tensor) and lr.requires_grad:
                     # torch's update takes lr as a number there (its addcdiv_ refuses a tensor value): a
                     # gradient with respect to lr would silently be lost
                     raise TypeError(

@@ -150,7 +150,9 @@ def adagrad_unchecked(
     # the kernels address plain storage. So does a gradient of another dtype, device or shape than its
     # parameter's (set through ``.data``): torch's per-tensor ops promote or broadcast it, or refuse it;
     # and a state of another dtype (the model converted, ``model.double()``, after the optimizer was made:
-    # torch trains on, the kernels would read the state as the parameter's dtype).
+    # torch trains on, the kernels would read the state as the parameter's dtype). So does a state set by
+    # hand, ``opt.state[p]``, that the kernels would misread: a sum of another shape (torch's ops refuse
+    # it), a step count not in float32 (an int64 or float64 one: torch counts on in it).
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
     plain: list[int] = []
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
@@ -163,6 +165,8 @@ def adagrad_unchecked(
             or g.device != p.device
             or g.shape != p.shape
             or s.dtype != p.dtype
+            or s.shape != p.shape
+            or t.dtype != torch.float32
         ):
             plain.append(i)
             continue
@@ -240,7 +244,10 @@ def _check(i: int, p: Tensor, g: Tensor, s: Tensor, t: Tensor) -> None:
 def check_state_device(i: int, p: Tensor, s: Tensor, t: Tensor) -> None:
     """Refuse parameter ``i`` whose state (sum ``s``, step ``t``) is on another device: the model moved
     (``model.cuda()``) after the optimizer was made. torch's ops refuse it after changing the parameters
-    before it; here nothing has changed yet."""
+    before it; here nothing has changed yet. A step count that is no tensor (set by hand) is refused with
+    torch's error."""
+    if not isinstance(t, Tensor):
+        raise RuntimeError("API has changed, `state_steps` argument must contain a list of singleton tensors")
     if s.device != p.device or t.device != step_device(p.device):
         raise RuntimeError(
             f"Adagrad: the state of parameter {i} is on {s.device} (its step count on {t.device}), the "
@@ -257,7 +264,7 @@ def refuse_early(
     (they broadcast or promote others), tried on stand-ins of the same layouts (torch's words: the meta
     device words them otherwise)."""
     for p, g, s, t in zip(params, grads, sums, steps):
-        if not g.is_sparse and (g.shape != p.shape or g.dtype != p.dtype):
+        if not g.is_sparse and (g.shape != p.shape or g.dtype != p.dtype or s.shape != p.shape):
             stand_ins = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in (p, g, s)]
             with torch.no_grad():
                 adagrad_tensor_ref(*stand_ins, float(t) + 1, **hyper)
