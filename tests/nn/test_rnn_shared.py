@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
@@ -900,6 +902,66 @@ def test_torch_fx_symbolic_trace_keeps_the_layers_whole_as_torchs(torch_cls, tan
     for got, want in results:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(results[1][0], results[0][0])
+
+
+class _ScaledGRU(tandem.nn.GRU):  # (at module level: a traced model holding them can be pickled)
+    def forward(self, x):
+        out, h = super().forward(x)
+        return out * 2.0 + 1.0, h
+
+
+class _ScaledLSTM(tandem.nn.LSTM):
+    def forward(self, x):
+        out, state = super().forward(x)
+        return out * 2.0 + 1.0, state
+
+
+class _ScaledNorm(tandem.nn.SyncBatchNorm):
+    def forward(self, x):
+        return super().forward(x) * 2.0 + 1.0
+
+
+class _PlainGRU(tandem.nn.GRU):
+    pass
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer, self.norm = layer, isinstance(layer, tandem.nn.SyncBatchNorm)
+
+    def forward(self, x):
+        out = self.layer(x)
+        return out if self.norm else out[0]
+
+
+@pytest.mark.parametrize(
+    "layer, node",
+    [
+        pytest.param(lambda: _ScaledGRU(4, 4), "call_function", id="gru"),
+        pytest.param(lambda: _ScaledLSTM(4, 4), "call_function", id="lstm"),
+        pytest.param(lambda: _ScaledNorm(5), "call_function", id="syncbn"),
+        pytest.param(lambda: _PlainGRU(4, 4), "call_module", id="gru-without-a-forward-of-its-own"),
+    ],
+)
+def test_torch_fx_symbolic_trace_of_a_subclass_that_calls_super_forward_runs_its_own_part_once(layer, node):
+    """A subclass's forward is user code, which torch.fx traces into (torch's layers then fail, TraceError);
+    its super().forward became a call_module node of the subclass itself, whose whole forward the graph
+    then ran before the traced post-processing: that part ran twice (outputs doubled, without a word).
+    The graph computes as eager now, saved and loaded too; a subclass without a forward of its own stays a
+    leaf (a call_module node)."""
+    torch.manual_seed(0)
+    model = _Holder(layer()).eval()
+    x = torch.randn(3, 5, 4) if isinstance(model.layer, tandem.nn.SyncBatchNorm) else torch.randn(5, 3, 4)
+    traced = torch.fx.symbolic_trace(model)
+    ops = [n.op for n in traced.graph.nodes]
+    assert node in ops and ("call_module" not in ops or node == "call_module")
+    want = model(x)
+    torch.testing.assert_close(traced(x), want, rtol=0, atol=0)
+    buffer = io.BytesIO()
+    torch.save(traced, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("torch_cls, tandem_cls", [*PAIRS, (torch.nn.SyncBatchNorm, tandem.nn.SyncBatchNorm)])

@@ -9,18 +9,37 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["fx_leaf"]
+__all__ = ["fx_leaf", "tandem_forward"]
 
 
-def fx_leaf(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+def fx_leaf(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *, owner: type
+) -> Any:
     """The ``call_module`` node of ``module`` called with ``args`` and ``kwargs`` when one of them is a
     symbolic tracer's Proxy (what ``torch.fx.Tracer.call_module`` makes of a leaf module), else None: also
-    for the traced root itself, which torch.fx traces into (torch's modules there fail as tandem's do)."""
+    for the traced root itself, which torch.fx traces into (torch's modules there fail as tandem's do).
+
+    ``owner`` is the tandem class whose ``forward`` asks. A subclass with a forward of its own is user code,
+    which torch.fx traces into; when that forward calls ``super().forward``, the node is a call of
+    :func:`tandem_forward` on the module (a ``call_module`` would run the subclass's whole forward again)."""
     kwargs = kwargs or {}
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.fx.Proxy):
             tracer = value.tracer
             if module is getattr(tracer, "root", None):
                 return None
-            return tracer.create_proxy("call_module", tracer.path_of_module(module), args, kwargs)
+            path = tracer.path_of_module(module)
+            if type(module).forward is owner.forward:
+                return tracer.create_proxy("call_module", path, args, kwargs)
+            this = tracer.create_proxy("get_attr", path, (), {})
+            return tracer.create_proxy("call_function", tandem_forward, (this, *args), kwargs)
     return None
+
+
+def tandem_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s forward as tandem's class of it defines it (what its subclass's ``super().forward``
+    calls): the target of the traced node, a function of this module (a graph's code imports it)."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("tandem.nn.") and "forward" in vars(cls):
+            return vars(cls)["forward"](module, *args, **kwargs)
+    raise TypeError(f"tandem_forward: expected a tandem.nn module, got {type(module).__name__}")
