@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from typing import Optional
 
 import pytest
 import torch
@@ -531,6 +532,47 @@ def test_torch_jit_script_of_a_model_computes_and_trains_as_torchs(torch_cls, ta
     assert type(ours.rnn) is torch_cls and ours.rnn.__dict__ is rnn.__dict__
     rnn.train(False)
     assert not ours.rnn.training
+
+
+def _first_gate_recurrence(base: type) -> type:
+    """A subclass of ``base`` with a scriptable forward of its own: a recurrence of its own on the first
+    gate's weights (the layer's parameters, names and initialisation reused)."""
+
+    class FirstGate(base):
+        def forward(self, input: torch.Tensor, hx: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
+            h = torch.zeros(input.size(1), self.hidden_size, dtype=input.dtype)
+            outs = []
+            for t in range(input.size(0)):
+                w_ih, w_hh = self.weight_ih_l0[: self.hidden_size], self.weight_hh_l0[: self.hidden_size]
+                h = torch.tanh(input[t] @ w_ih.t() + h @ w_hh.t() + self.offset())
+                outs.append(h)
+            return torch.stack(outs)
+
+        def offset(self) -> float:
+            return 0.5
+
+    return FirstGate
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_torch_jit_script_of_a_subclass_with_a_forward_of_its_own_compiles_it(torch_cls, tandem_cls):
+    """Scripted, a subclass of torch's layer runs its own forward (and methods); of tandem's, torch's
+    forward ran in its place, without a word, in the scripted model and in its original after."""
+    import warnings
+
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    results = []
+    for cls in (torch_cls, tandem_cls):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_first_gate_recurrence(cls)(4, 6, dtype=torch.float64))
+        eager = model(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit.script is deprecated (torch 2.13)
+            scripted = torch.jit.script(model)
+        results.append((eager, scripted(x), model(x)))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[1][0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)

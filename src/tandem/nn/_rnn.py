@@ -278,12 +278,19 @@ class RNNLayers(torch.nn.RNNBase):
         TorchScript can compile (tandem's kernels and autograd functions it cannot). The scripted module
         computes and trains as torch's. As with every ``__prepare_scriptable__``, torch.jit.script puts
         what this returns into the scripted model's original too (its parent's submodules): that model
-        then runs torch's forward there, with the same numbers."""
+        then runs torch's forward there, with the same numbers.
+
+        A subclass's own methods and properties (its forward, torch.nn.utils.parametrize's properties)
+        come along, on a subclass of torch's class: TorchScript compiles them as it would on a subclass
+        of torch's layer (a forward of its own was dropped: torch's ran instead)."""
         torch_cls = getattr(torch.nn, self.mode)
+        own: dict[str, Any] = {}
+        for c in reversed(type(self).__mro__[: type(self).__mro__.index(RNNLayers)]):
+            if not c.__module__.startswith("tandem.nn"):  # user code, or parametrize's class
+                own.update((k, v) for k, v in vars(c).items() if not k.startswith("__"))
         cls: type = torch_cls
-        if type(self).__name__.startswith("Parametrized"):  # torch.nn.utils.parametrize's class
-            properties = {k: v for k, v in vars(type(self)).items() if isinstance(v, property)}
-            cls = type(f"Parametrized{torch_cls.__name__}", (torch_cls,), properties)
+        if own:
+            cls = type(type(self).__name__, (torch_cls,), own)
         twin = cls.__new__(cls)
         twin.__dict__ = self.__dict__
         return twin
