@@ -1304,3 +1304,21 @@ def test_masked_eval_gradient_of_a_non_finite_frame_is_torchs():
     (got,) = torch.autograd.grad(ours(b, mask=mask), b, dy)
     torch.testing.assert_close(got[..., :3], want[..., :3])
     assert got[..., 3].item() == 0.0  # a padded frame's gradient is 0
+
+
+def test_torch_jit_script_of_a_model_holding_it_fails_with_a_runtime_error_as_torchs():
+    """Neither torch's SyncBatchNorm nor tandem's compiles; torch's fails with a RuntimeError, tandem's
+    failed with TorchScript's NotSupportedError (no RuntimeError: a fallback to tracing missed it), and
+    the model is left as it was."""
+    import warnings
+
+    errors = []
+    for cls in (torch.nn.SyncBatchNorm, tandem.nn.SyncBatchNorm):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), cls(4))
+        with warnings.catch_warnings(), pytest.raises(Exception) as caught:
+            warnings.simplefilter("ignore")  # torch.jit.script is deprecated (torch 2.13)
+            torch.jit.script(model)
+        errors.append(caught.value)
+        assert type(model[1]) is cls
+    assert isinstance(errors[0], RuntimeError) and type(errors[1]) is RuntimeError
+    assert "torch.jit.script cannot compile it" in str(errors[1])

@@ -181,6 +181,15 @@ class SyncBatchNorm(_BatchNorm):
         lengths = lengths.to(input.device)
         return torch.arange(steps, device=input.device) < lengths.unsqueeze(1)  # [N, L]
 
+    def __prepare_scriptable__(self) -> SyncBatchNorm:
+        """torch.jit.script cannot compile this module (nor torch.nn.SyncBatchNorm, which fails with a
+        RuntimeError): the same type of error, saying so, not TorchScript's NotSupportedError of the
+        keyword ``lengths`` (a fallback that catches RuntimeError would miss it)."""
+        raise RuntimeError(
+            "tandem.nn.SyncBatchNorm: torch.jit.script cannot compile it (nor torch.nn.SyncBatchNorm); "
+            "use torch.jit.trace or torch.compile"
+        )
+
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, mask: Tensor | None = None, *, lengths: Tensor | None = None
     ) -> Tensor | PackedSequence:
