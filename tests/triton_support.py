@@ -25,6 +25,7 @@ __all__ = [
     "sm90_signature",
     "local_memory_bytes",
     "needs_triton",
+    "needs_triton_compiler",
     "run_under_interpreter",
 ]
 
@@ -55,6 +56,10 @@ TRITON_VERSION = _triton_version()
 needs_triton = pytest.mark.skipif(
     TRITON_DEVICE is None,
     reason="no GPU: runs in test_triton_kernels_under_interpreter's subprocess (TRITON_INTERPRET=1)",
+)
+# tests that count the kernels Triton compiled: the interpreter compiles none (its subprocess leaves them out)
+needs_triton_compiler = pytest.mark.skipif(
+    TRITON_DEVICE != "cuda", reason="counts compiled kernels: a GPU only (the interpreter compiles none)"
 )
 
 

@@ -29,6 +29,7 @@ from triton_support import (
     compile_sm90,
     local_memory_bytes,
     needs_triton,
+    needs_triton_compiler,
     run_under_interpreter,
     sm90_signature,
 )
@@ -69,7 +70,9 @@ def _lengths(case: Case) -> list[int]:
 
 
 def _run(module: torch.nn.Module, case: Case, x: torch.Tensor, h0: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Forward + backward of a fixed random loss; the outputs and every gradient, on the CPU in float64."""
+    """Forward + backward of a fixed random loss; the outputs and every gradient, on the CPU in float64
+    (copies: a module run again, the reference of several comparisons, starts from no gradients)."""
+    module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     h0 = h0.detach().clone().requires_grad_()
     inp = pack_padded_sequence(x, _lengths(case), enforce_sorted=False) if case.packed else x
@@ -81,7 +84,7 @@ def _run(module: torch.nn.Module, case: Case, x: torch.Tensor, h0: torch.Tensor)
     ((out * w_out).sum() + (h_n * w_h).sum()).backward()
     named = {"output": out, "h_n": h_n, "grad input": x.grad, "grad h0": h0.grad}
     named |= {f"grad {n}": p.grad for n, p in module.named_parameters()}
-    return {k: v.detach().cpu().double() for k, v in named.items()}
+    return {k: v.detach().cpu().double().clone() for k, v in named.items()}
 
 
 def _make(case: Case, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -148,7 +151,7 @@ def test_triton_kernel_is_what_runs():
     assert _backend.use_triton(torch.empty(0, device=TRITON_DEVICE))
 
 
-@needs_triton
+@needs_triton_compiler
 @pytest.mark.parametrize("time_loop", ["per-step", "per-step-split", "persistent"])
 def test_triton_kernel_builds_once_for_any_lengths(time_loop: str, monkeypatch):
     """Speech batches differ in their lengths and so in every step's rows: no build per new pattern."""
@@ -336,9 +339,11 @@ def test_triton_kernel_runs_in_float16_under_autocast_as_cudnn(autocast_dtype, i
     """Under autocast the layers run in float16 whatever autocast's dtype, as cuDNN's RNNs do (torch's
     autocast wrapper of _cudnn_rnn casts the input, states and weights to half): a float32 or bfloat16
     input (a Linear's output under the same autocast) and state, float16 outputs, the gradients in the
-    float32 parameters, within half-precision error of float64."""
+    float32 parameters, within twice the error of torch.nn.GRU run in float16 (against float64)."""
     case = Case(packed=True, hidden=20)
     ref, x, h0 = _make(case, torch.float32)
+    half = copy.deepcopy(ref).half()  # what cuDNN's autocast computes: the input (as given) cast to half
+    theirs = _run(half, case, x.to(input_dtype).half(), h0.to(input_dtype).half())
     ours = tandem.nn.GRU(INPUT, case.hidden, bidirectional=True).to(TRITON_DEVICE)
     ours.load_state_dict(ref.state_dict())
     expected = _run(ref, case, x, h0)
@@ -357,9 +362,15 @@ def test_triton_kernel_runs_in_float16_under_autocast_as_cudnn(autocast_dtype, i
     got |= {f"grad {n}": p.grad.cpu().double() for n, p in ours.named_parameters()}
     assert all(p.grad.dtype == torch.float32 for p in ours.parameters())
     assert x_in.grad.dtype == h0_in.grad.dtype == input_dtype
-    tol = 0.1 if input_dtype == torch.float32 else 0.15  # bfloat16 input has lost bits already
     for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, atol=tol, rtol=tol, msg=name)
+        ours_error = (got[name] - value).abs().max().item()
+        torch_error = (theirs[name] - value).abs().max().item()
+        rounding = 0.0  # the input's and h0's gradients come in the input's dtype: bfloat16 rounds them
+        if name in ("grad input", "grad h0") and input_dtype == torch.bfloat16:
+            rounding = value.abs().max().item() * 2.0**-8
+        assert ours_error <= 2 * torch_error + rounding + 1e-3, (
+            f"{name}: ours {ours_error:.3g} vs torch {torch_error:.3g}"
+        )
 
 
 @needs_triton

@@ -29,6 +29,7 @@ from triton_support import (
     compile_sm90,
     local_memory_bytes,
     needs_triton,
+    needs_triton_compiler,
     run_under_interpreter,
     sm90_signature,
 )
@@ -131,7 +132,9 @@ def launches(monkeypatch):
 
 
 def _run(module: torch.nn.Module, case: Case, x, hx, device):
-    """Forward + backward of a fixed random loss on ``device``; outputs and every gradient on the CPU."""
+    """Forward + backward of a fixed random loss on ``device``; outputs and every gradient on the CPU
+    (copies: a module run again starts from no gradients)."""
+    module.zero_grad(set_to_none=True)
     x = x.detach().to(device).requires_grad_()
     hx = tuple(t.detach().to(device).requires_grad_() for t in hx)
     inp = x
@@ -145,7 +148,7 @@ def _run(module: torch.nn.Module, case: Case, x, hx, device):
     grads = {"input": x.grad, "h0": hx[0].grad, "c0": hx[1].grad}
     grads |= {n: p.grad for n, p in module.named_parameters()}
     results = {"output": out, "h_n": h_n, "c_n": c_n} | {f"grad {k}": v for k, v in grads.items()}
-    return {k: v.detach().cpu() for k, v in results.items()}
+    return {k: v.detach().cpu().clone() for k, v in results.items()}
 
 
 def _make(case: Case, dtype: torch.dtype = torch.float64):
@@ -190,7 +193,7 @@ def test_triton_kernel_matches_torch_float64(case: Case, tiles, launches, kernel
         torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-10, msg=name)
 
 
-@needs_triton
+@needs_triton_compiler
 @pytest.mark.parametrize("time_loop", ["per-step", "per-step-split", "persistent"])
 def test_triton_kernel_builds_once_for_any_lengths(time_loop: str, monkeypatch):
     """Batches of other lengths reuse the kernels built for the first (see the GRU's test of the name)."""
@@ -467,24 +470,34 @@ def test_sm90_build_takes_tf32_when_asked(kernel):
 def test_triton_kernel_runs_in_float16_under_autocast_as_cudnn(autocast_dtype, input_dtype):
     """Under autocast the layers run in float16 whatever autocast's dtype, as cuDNN's RNNs do (torch's
     autocast wrapper of _cudnn_rnn casts the input, states and weights to half), from a float32 or
-    bfloat16 input and states; the gradients reach the float32 parameters in float32, close to the
-    float32 module's."""
+    bfloat16 input and states; the gradients reach the float32 parameters in float32, within twice the
+    error of torch.nn.LSTM run in float16 (against float64)."""
     torch.manual_seed(0)
-    ref = torch.nn.LSTM(3, 20, bidirectional=True)
+    ref = torch.nn.LSTM(3, 20, bidirectional=True, dtype=torch.float64)
     ours = tandem.nn.LSTM(3, 20, bidirectional=True).to(TRITON_DEVICE)
     ours.load_state_dict(ref.state_dict())
-    x = torch.randn(5, 4, 3).to(input_dtype).float()
+    half = copy.deepcopy(ref).half()  # what cuDNN's autocast computes
+    x = torch.randn(5, 4, 3).to(input_dtype).double()
     states = (torch.zeros(2, 4, 20, dtype=input_dtype), torch.zeros(2, 4, 20, dtype=input_dtype))
     out_ref, _ = ref(x)
     out_ref.sum().backward()
+    out_half, _ = half(x.half())
+    out_half.float().sum().backward()
     with torch.autocast(TRITON_DEVICE, dtype=autocast_dtype):
         out, (h_n, c_n) = ours(x.to(TRITON_DEVICE, input_dtype), tuple(s.to(TRITON_DEVICE) for s in states))
         assert out.dtype == h_n.dtype == c_n.dtype == torch.float16
         out.float().sum().backward()
-    torch.testing.assert_close(out.float().cpu(), out_ref.detach(), atol=3e-2, rtol=3e-2)
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a.detach().cpu().double() - b.detach()).abs().max().item()
+
+    assert error(out, out_ref) <= 2 * error(out_half, out_ref) + 1e-3
+    for (name, p), q, h in zip(ours.named_parameters(), ref.parameters(), half.parameters()):
         assert p.grad.dtype == torch.float32, name
-        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=0.15, rtol=5e-2, msg=name)
+        ours_error, torch_error = error(p.grad, q.grad), error(h.grad, q.grad)
+        assert ours_error <= 2 * torch_error + 1e-3, (
+            f"{name}: ours {ours_error:.3g} vs torch {torch_error:.3g}"
+        )
 
 
 @needs_triton
