@@ -92,8 +92,9 @@ def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous leaf copy of ``t`` (what torch's side gets)."""
-    return t.detach().contiguous().requires_grad_(t.requires_grad)
+    """A contiguous leaf copy of ``t`` (what torch's side gets): a copy even where ``t`` is contiguous, so
+    that what either side updates in place (running statistics, parameters) is its own."""
+    return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(t.requires_grad)
 
 
 def tolerances(dtype: torch.dtype) -> dict[str, float]:
