@@ -416,6 +416,43 @@ def test_one_rank_runs_a_registered_hook(one_rank):
     assert ddp.stats().bytes_sent == sum(p.numel() * 2 for p in model.parameters())
 
 
+def test_one_rank_stats_time_a_slow_hook_as_communication_that_did_not_overlap(one_rank):
+    """A hook whose future completes 0.2 s after the last bucket is handed over: that much communication
+    (comm_s), all of it waited for after the local backward (wait_s), none of it hidden (overlap ~0)."""
+    import threading
+
+    delay = 0.2
+
+    def slow(state, bucket):
+        future = torch.futures.Future()
+        threading.Timer(delay, lambda: future.set_result(bucket.buffer())).start()
+        return future
+
+    model = w.mlp(torch.float32)
+    ddp = tandem.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-4)  # several buckets
+    ddp.register_comm_hook(None, slow)
+    x, y = w.batch(0, 1)
+    w.loss_fn(ddp(x.float()), y).backward()
+    st = ddp.stats()
+    assert st.buckets > 1
+    # the buckets' futures run at once (one timer each): their union is ~0.2 s, not their sum
+    assert delay * 0.9 <= st.comm_s < delay * 1.9, st
+    assert delay * 0.5 <= st.wait_s <= st.comm_s + 0.05, st
+    assert st.overlap < 0.5, st
+
+
+def test_stats_union_of_intervals_and_overlap():
+    from tandem.parallel.ddp import DDPStats, _union_length
+
+    assert _union_length([]) == 0.0
+    assert _union_length([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0), (3.2, 3.7)]) == pytest.approx(3.0)
+    assert _union_length([(0.0, 5.0), (1.0, 2.0)]) == pytest.approx(5.0)
+    stats = DDPStats(backward_s=1.0, comm_s=0.4, wait_s=0.1, bytes_sent=8, buckets=2)
+    assert stats.overlap == pytest.approx(0.75)
+    assert DDPStats(1.0, 0.4, 0.5, 8, 2).overlap == 0.0  # waited longer than the all-reduces ran
+    assert DDPStats(1.0, 0.0, 0.0, 0, 0).overlap == 1.0  # nothing to communicate
+
+
 def test_one_rank_unused_parameters(one_rank):
     x, y = w.batch(0, 1)
     ddp = tandem.parallel.DistributedDataParallel(w.Branchy())
