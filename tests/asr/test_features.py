@@ -108,13 +108,11 @@ def test_resample_keeps_the_band_and_matches_scipy(orig, new):
     x = _tones(orig, 0.5)
     ours = resample(torch.from_numpy(x), orig, new).numpy()
     assert len(ours) == math.ceil(len(x) * new / orig)
-    t = np.arange(len(ours)) / new
     exact = _tones(new, len(ours) / new)[: len(ours)]
     inner = slice(len(ours) // 8, -len(ours) // 8)  # away from the edges, where both pad with zeros
     assert np.abs(ours[inner] - exact[inner]).max() < 1e-3
     theirs = scipy_signal.resample_poly(x, new // math.gcd(orig, new), orig // math.gcd(orig, new))
     assert np.abs(ours[inner] - theirs[inner]).max() < 5e-3
-    assert t.shape == ours.shape
 
 
 @pytest.mark.parametrize("tone", [3000.0, 4500.0, 6000.0])
