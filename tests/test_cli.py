@@ -126,6 +126,17 @@ def test_bench_outputs_that_cannot_be_written_are_one_line_each(fake_op, tmp_pat
     assert done.stderr.strip() == "tandem bench: error: writing to standard output: No space left on device"
 
 
+def test_bench_with_standard_output_closed_writes_its_csv(fake_op, tmp_path, capsys, monkeypatch):
+    """``>&-`` (sys.stdout None): the table's flush raised AttributeError after all the timing, and the
+    --csv asked for was never written; the table goes nowhere now, the CSV is written."""
+    csv_path = tmp_path / "b.csv"
+    monkeypatch.setattr(sys, "stdout", None)
+    argv = ["bench", "--op", fake_op, "--quick", "--threads", "1", "--min-time", "0.02"]
+    assert main([*argv, "--csv", str(csv_path)]) == 0
+    assert len(csv_path.read_text().splitlines()) == 3  # header, torch's row and tandem's
+    assert f"wrote 2 rows to {csv_path}" in capsys.readouterr().err
+
+
 def test_bench_quick(fake_op, capsys):
     assert main(["bench", "--op", fake_op, "--quick", "--threads", "1", "--min-time", "0.02"]) == 0
     out, _ = capsys.readouterr()

@@ -402,6 +402,30 @@ def test_standard_output_that_fails_is_exit_2_in_one_line(setup):
     ]
 
 
+def test_closed_standard_error_keeps_the_error_lines_out_of_the_transcripts(setup, tmp_path):
+    """``2>&-``: print(file=sys.stderr) with sys.stderr None writes to stdout, so a file's error line
+    landed among the transcripts (and broke the JSON lines); it goes nowhere now, the file's JSON line
+    still says it failed, and the status says so."""
+    root, files, texts = setup
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", "tandem", "transcribe", "--model", str(root / "checkpoint.pt")]
+    for json_lines in (False, True):
+        args = [*command, *(["--json"] if json_lines else []), files[0], str(tmp_path / "gone.wav")]
+        done = subprocess.run(
+            ["sh", "-c", '"$@" 2>&-', "sh", *args], stdout=subprocess.PIPE, env=env, timeout=120
+        )
+        lines = done.stdout.decode().splitlines()
+        assert done.returncode == 1 and len(lines) == (2 if json_lines else 1), lines
+        if json_lines:
+            records = [json.loads(line) for line in lines]
+            assert records[0]["text"] == texts[0] and records[1]["text"] is None
+        else:
+            assert lines == [f"{files[0]}\t{texts[0]}"]
+
+
 def test_usage_errors(setup, capsys):
     root, files, _ = setup
     with pytest.raises(SystemExit) as info:

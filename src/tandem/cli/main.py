@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -28,11 +29,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _null_for_closed_standard_streams() -> None:
+    """A standard stream closed at the start (``2>&-``, ``>&-``) gets the null device: its descriptor, so
+    that no file opened later takes the number (what is written to descriptor 2 would land in it), and
+    for stderr its Python stream too, since print(file=None) writes to stdout (error lines would land in
+    the transcripts). A closed stdout stays None in Python: ``tandem transcribe`` refuses it (nowhere to
+    write the transcripts); the other commands write their files and lose only their messages."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process's stderr until it exits
+
+
 def main(argv: list[str] | None = None) -> int:
+    _null_for_closed_standard_streams()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # in the subcommand's usage (the top-level parser's named no option of it)
         args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if sys.stdout is None and args.command != "transcribe":  # (see _null_for_closed_standard_streams)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the process's stdout until it exits
     args.argv = argv
     args.command_line = shlex.join(["tandem", *argv])
     return args.handler(args, args.subparser)
