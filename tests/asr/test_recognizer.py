@@ -252,6 +252,31 @@ def test_a_file_that_fails_otherwise_is_its_own_error(tmp_path, checkpoint, monk
     assert results[1].error.startswith(f"{odd}: cannot transcribe (RuntimeError: DefaultCPUAllocator")
 
 
+def test_a_file_the_model_fails_on_is_its_own_error(tmp_path, checkpoint, monkeypatch):
+    """A failure past the reading (the model out of memory on one long recording): a traceback, and every
+    file of the run lost, the ones transcribed before it too; now that file's error, the others
+    transcribed as alone, in batches with it or not."""
+    clips = [u.numpy() for u in list(_utterances())[:2]]
+    rec = Recognizer.from_checkpoint(checkpoint)
+    expected = [rec.transcribe(c, 8000) for c in clips]
+    short = [_write(tmp_path / f"{k}.wav", c, 8000, "FLOAT") for k, c in enumerate(clips)]
+    long = _write(tmp_path / "long.wav", np.tile(clips[0], 8), 8000, "FLOAT")
+    limit = 4 * max(len(c) for c in clips)
+    forward = type(rec.model).forward
+
+    def out_of_memory(model, features, frames):
+        if int(frames.max()) * rec.features.hop_length > limit:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 GB")
+        return forward(model, features, frames)
+
+    monkeypatch.setattr(type(rec.model), "forward", out_of_memory)
+    for batch_size in (1, 3):
+        results = rec.transcribe_files([short[0], long, short[1]], batch_size=batch_size)
+        assert [r.text for r in results] == [expected[0], None, expected[1]]
+        assert results[1].error.startswith(f"{long}: cannot transcribe (RuntimeError: DefaultCPUAllocator")
+        assert results[0].seconds > 0 and results[2].seconds > 0
+
+
 def test_arguments_taken_as_a_python_user_passes_them(tmp_path, checkpoint):
     """One path where a list belongs is refused (it would be read character by character); a rate of any
     numeric kind serves every waveform of a batch."""
@@ -317,6 +342,8 @@ def _classify_checkpoint(path):
         ("other-weights", "does not make a recognizer"),
         ("other-alphabet", "does not make a recognizer"),
         ("bad-config", "does not make a recognizer"),
+        ("no-hop", "does not make a recognizer: FeatureConfig: expected hop_ms of at least one sample"),
+        ("no-rate", "does not make a recognizer: FeatureConfig: expected sample_rate a positive integer"),
     ],
 )
 def test_checkpoints_that_are_not_recognizers_are_refused_naming_the_file(
@@ -341,6 +368,9 @@ def test_checkpoints_that_are_not_recognizers_are_refused_naming_the_file(
         torch.save({**state, "alphabet": "abc"}, path)
     elif case == "bad-config":
         torch.save({**state, "model_config": {**state["model_config"], "cell": "rnn"}}, path)
+    elif case in ("no-hop", "no-rate"):  # loaded, then a ZeroDivisionError at the first recording
+        setting = {"no-hop": {"hop_ms": 0.0}, "no-rate": {"sample_rate": 0}}[case]
+        torch.save({**state, "feature_config": {**state["feature_config"], **setting}}, path)
     with pytest.raises(CheckpointError) as info:
         Recognizer.from_checkpoint(path)
     message = str(info.value)

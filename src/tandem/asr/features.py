@@ -64,6 +64,21 @@ class FeatureConfig:
     window_ms: float = 25.0
     hop_ms: float = 10.0
 
+    def __post_init__(self) -> None:
+        # what a checkpoint (or a caller) hands in is checked here, not at the first recording
+        for name in ("sample_rate", "n_mels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"FeatureConfig: expected {name} a positive integer, got {value!r}")
+        for name, samples in (("window_ms", "win_length"), ("hop_ms", "hop_length")):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value <= 0 or getattr(self, samples) < 1:
+                raise ValueError(
+                    f"FeatureConfig: expected {name} of at least one sample at {self.sample_rate} Hz, "
+                    f"got {value!r}"
+                )
+
     @property
     def win_length(self) -> int:
         return round(self.sample_rate * self.window_ms / 1000)

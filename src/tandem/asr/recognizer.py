@@ -267,18 +267,34 @@ class Recognizer:
                 except (MemoryError, RuntimeError, ValueError, TypeError, AttributeError) as e:
                     # whatever else one file does (an entry that is no file object, a rate that exhausts
                     # memory): that file's error, not the end of the others
-                    first = (str(e).strip().splitlines() or [""])[0][:200]
-                    error = f"{name}: cannot transcribe ({type(e).__name__}: {first})"
-                    done[i] = FileTranscript(name, None, error=error)
+                    done[i] = FileTranscript(name, None, error=_cannot(name, e))
                     continue
                 read.append((i, mono, waveform.shape[-1] / rate, time.perf_counter() - began))
-            texts, seconds = self._decode([m for _, m, _, _ in read], batch_size)
-            total = sum(len(m) for _, m, _, _ in read)
-            for (i, mono, duration, reading), text in zip(read, texts):
-                # the batch's time shared by length, as its features and recurrent steps are
-                share = seconds * len(mono) / total
-                done[i] = FileTranscript(group[i][1], text, audio_seconds=duration, seconds=reading + share)
+            for (i, _, duration, reading), (text, seconds, error) in zip(
+                read, self._decode_group(read, batch_size)
+            ):
+                name = group[i][1]
+                if error is not None:
+                    done[i] = FileTranscript(name, None, error=_cannot(name, error))
+                else:
+                    done[i] = FileTranscript(name, text, audio_seconds=duration, seconds=reading + seconds)
             yield from (done[i] for i in range(len(group)))
+
+    def _decode_group(
+        self, read: list[tuple[int, Tensor, float, float]], batch_size: int
+    ) -> list[tuple[str | None, float, Exception | None]]:
+        """(text, seconds, error) of each read file: decoded together, the batch's time shared by length
+        (as its features and recurrent steps are); where that fails (memory for one long recording), each
+        file alone, so that what fails is that file's error and the others are transcribed."""
+        mono = [m for _, m, _, _ in read]
+        try:
+            texts, seconds = self._decode(mono, batch_size)
+        except Exception as e:  # noqa: BLE001 - named as that file's error, or retried file by file
+            if len(mono) == 1:
+                return [(None, 0.0, e)]
+            return [self._decode_group([entry], 1)[0] for entry in read]
+        total = sum(len(m) for m in mono)
+        return [(text, seconds * len(m) / total if total else 0.0, None) for m, text in zip(mono, texts)]
 
     def transcribe_files(self, files: Sequence[AudioSource], batch_size: int = 16) -> list[FileTranscript]:
         """Read and transcribe ``files`` (paths, binary file objects such as ``sys.stdin.buffer``, or
@@ -420,6 +436,12 @@ def _batches(order: list[int], lengths: list[int], batch_size: int) -> Iterator[
         chosen.append(i)
     if chosen:
         yield chosen
+
+
+def _cannot(name: str, error: BaseException) -> str:
+    """A file's error line for a failure other than its audio's: the exception's type and first line."""
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return f"{name}: cannot transcribe ({type(error).__name__}: {first})"
 
 
 def _padded(waveform: Tensor, samples: int) -> Tensor:
