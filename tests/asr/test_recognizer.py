@@ -277,6 +277,45 @@ def test_a_file_the_model_fails_on_is_its_own_error(tmp_path, checkpoint, monkey
         assert results[0].seconds > 0 and results[2].seconds > 0
 
 
+def test_arguments_of_the_wrong_kind_are_named_with_what_came(tmp_path, checkpoint):
+    """A path, bytes or None given as samples raised torch's "new(): invalid data type 'str'" or "Could not
+    infer dtype of PosixPath" (no argument, no batch index); a set or dict of files, "'set' object is not
+    subscriptable"; an entry of files that is samples was named "None"; a state_dict as the model an
+    AttributeError about .config; a bad batch_size of iter_transcribe_files raised only at the first item."""
+    clip = list(_utterances())[0].numpy()
+    rec = Recognizer.from_checkpoint(checkpoint)
+    path = _write(tmp_path / "a.wav", clip, 8000, "FLOAT")
+    for given, kind in (
+        (str(path), "str"),
+        (path, "PosixPath"),
+        (path.read_bytes(), "bytes"),
+        (None, "NoneType"),
+    ):
+        with pytest.raises(
+            TypeError, match=f"^waveform: expected samples, a tensor or numpy array, got {kind}"
+        ):
+            rec.transcribe(given, 8000)
+    with pytest.raises(TypeError, match="^waveforms\\[1\\]: expected samples, .* got NoneType"):
+        rec.transcribe_batch([clip, None], 8000)
+    for files in ({str(path)}, {str(path): 1}):
+        with pytest.raises(TypeError, match=f"^files: expected a sequence of .* got {type(files).__name__}"):
+            rec.transcribe_files(files)
+    results = rec.transcribe_files([torch.from_numpy(clip), path])
+    assert results[0].error == (
+        "files[0]: expected a path, a binary file object or a file's bytes, got Tensor "
+        "(samples: transcribe_batch)"
+    )
+    assert results[1].text == rec.transcribe(clip, 8000)
+    with pytest.raises(ValueError, match="batch_size"):
+        rec.iter_transcribe_files([path], batch_size=0)  # at the call, not at the first item
+    with pytest.raises(TypeError, match="^Recognizer: expected model a DeepSpeech2, got OrderedDict"):
+        Recognizer(rec.model.state_dict(), rec.features, rec.alphabet)
+    with pytest.raises(ValueError) as info:
+        Recognizer.from_checkpoint(checkpoint, device=None)
+    assert "\n" not in str(info.value) and "got None" in str(info.value)
+    assert Recognizer.from_checkpoint(str(checkpoint).encode()).transcribe(clip, 8000) == results[1].text
+
+
 def test_arguments_taken_as_a_python_user_passes_them(tmp_path, checkpoint):
     """One path where a list belongs is refused (it would be read character by character); a rate of any
     numeric kind serves every waveform of a batch."""

@@ -644,6 +644,7 @@ def to_model_input(
         AudioError: empty, non-finite, one sample or silent (see :data:`SILENCE_PEAK`) after mixing to
             mono, or a rate above :data:`MAX_SAMPLE_RATE` or below :data:`MIN_SAMPLE_RATE`.
         ValueError: a bad shape or rate, naming the argument.
+        TypeError: no samples (a path, a file's bytes, None), naming the argument.
 
     Example::
 
@@ -667,7 +668,18 @@ def to_model_input(
         waveform = np.ascontiguousarray(waveform)  # a reversed view (negative strides) too
         if not waveform.flags.writeable:  # read-only (np.frombuffer, a memmap): torch would warn
             waveform = waveform.copy()
-    x = torch.as_tensor(waveform)
+    if isinstance(waveform, (str, bytes, bytearray, memoryview, os.PathLike)) or waveform is None:
+        hint = " (a file: read_audio or transcribe_files reads it)" if waveform is not None else ""
+        raise TypeError(
+            f"{name}: expected samples, a tensor or numpy array, got {type(waveform).__name__}{hint}"
+        )
+    try:
+        x = torch.as_tensor(waveform)
+    except (TypeError, ValueError, RuntimeError) as e:  # a list of strings, ragged lists, objects
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TypeError(
+            f"{name}: expected samples, a tensor or numpy array, got {type(waveform).__name__} ({first})"
+        ) from None
     if x.dim() not in (1, 2):
         raise ValueError(f"{name}: expected [samples] or [channels, samples], got shape {list(x.shape)}")
     if x.dim() == 2 and x.shape[0] == 0:

@@ -18,6 +18,7 @@ import operator
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,8 +84,9 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:  # an index (an accelerator's) where none is, a bad string
+        first = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(
-            f"Recognizer: expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})"
+            f"Recognizer: expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} ({first})"
         ) from None
     if dev.type not in ("cpu", "cuda"):  # the kernels run on these; 'meta' computes nothing
         raise ValueError(f"Recognizer: expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {str(dev)!r}")
@@ -121,6 +123,11 @@ class Recognizer:
     def __init__(
         self, model: DeepSpeech2, features: FeatureConfig, alphabet: Alphabet, *, fit_edges: bool = True
     ) -> None:
+        if not isinstance(model, DeepSpeech2):  # (a state_dict: Recognizer.from_checkpoint loads one)
+            raise TypeError(
+                f"Recognizer: expected model a DeepSpeech2, got {type(model).__name__} (a checkpoint: "
+                "Recognizer.from_checkpoint)"
+            )
         for name, value, kind in (("features", features, FeatureConfig), ("alphabet", alphabet, Alphabet)):
             if not isinstance(value, kind):
                 got = type(value).__name__
@@ -158,6 +165,8 @@ class Recognizer:
         """
         dev = _resolve_device(device)
         _check_fit_edges(fit_edges)
+        if isinstance(path, bytes):  # a path as the OS gives it
+            path = os.fsdecode(path)
         state = load_checkpoint(path, map_location="cpu")
         try:
             config = ModelConfig(**state["model_config"])
@@ -202,6 +211,7 @@ class Recognizer:
 
         Raises:
             AudioError: an empty or silent recording (see :func:`tandem.asr.audio.to_model_input`).
+            TypeError: ``waveform`` is no samples (a path: :meth:`transcribe_files` reads files).
         """
         return self._decode([to_model_input(waveform, sample_rate, self.sample_rate)])[0][0]
 
@@ -217,6 +227,7 @@ class Recognizer:
 
         Raises:
             AudioError: an empty or silent recording, named ``waveforms[i]``.
+            TypeError: an entry that is no samples (a path, None), named ``waveforms[i]``.
         """
         batch_size = _check_batch_size(batch_size)
         if isinstance(waveforms, Mapping) or not hasattr(waveforms, "__len__"):  # a generator, a dict
@@ -243,21 +254,34 @@ class Recognizer:
         self, files: Sequence[AudioSource], batch_size: int = 16
     ) -> Iterator[FileTranscript]:
         """:meth:`transcribe_files` one result at a time, in order, as each group of ``batch_size``
-        files is done (only that group's audio is in memory)."""
+        files is done (only that group's audio is in memory). The arguments are checked at the call."""
         batch_size = _check_batch_size(batch_size)
-        if isinstance(files, (str, bytes, bytearray, memoryview, os.PathLike)) or not hasattr(
-            files, "__len__"
-        ):
+        one = isinstance(files, (str, bytes, bytearray, memoryview, os.PathLike))
+        if one or isinstance(files, (Mapping, AbstractSet)) or not hasattr(files, "__getitem__"):
             raise TypeError(
                 f"files: expected a sequence of paths, binary file objects or files' bytes, got "
-                f"{type(files).__name__} (one file goes in a list)"
+                f"{type(files).__name__} ({'one file goes in a list' if one else 'in an order: a list'})"
             )
+        return self._transcribe_groups(files, batch_size)
+
+    def _transcribe_groups(self, files: Sequence[AudioSource], batch_size: int) -> Iterator[FileTranscript]:
         for start in range(0, len(files), batch_size):
-            group = [(source, source_name(source)) for source in files[start : start + batch_size]]
+            group = [
+                (source, _entry_name(source, start + k))
+                for k, source in enumerate(files[start : start + batch_size])
+            ]
             done: dict[int, FileTranscript] = {}
             read: list[tuple[int, Tensor, float, float]] = []  # (index, mono, audio seconds, seconds)
             for i, (source, name) in enumerate(group):
                 began = time.perf_counter()
+                if not _a_file(source):  # samples (transcribe_batch takes them), None, a number
+                    error = (
+                        f"{name}: expected a path, a binary file object or a file's bytes, got "
+                        f"{type(source).__name__}"
+                        + (" (samples: transcribe_batch)" if _samples(source) else "")
+                    )
+                    done[i] = FileTranscript(name, None, error=error)
+                    continue
                 try:
                     waveform, rate = read_audio(source, name=name)
                     mono = to_model_input(waveform, rate, self.sample_rate, name=name, layout_checked=True)
@@ -436,6 +460,22 @@ def _batches(order: list[int], lengths: list[int], batch_size: int) -> Iterator[
         chosen.append(i)
     if chosen:
         yield chosen
+
+
+def _a_file(source: object) -> bool:
+    """``source`` is of a kind :func:`~tandem.asr.audio.read_audio` reads: a path, a binary file object,
+    a file's bytes."""
+    return isinstance(source, (str, bytes, bytearray, memoryview, os.PathLike)) or hasattr(source, "read")
+
+
+def _samples(source: object) -> bool:
+    return isinstance(source, (Tensor, np.ndarray))
+
+
+def _entry_name(source: object, index: int) -> str:
+    """What messages call entry ``index`` of ``files``: :func:`source_name`'s name, or ``files[i]`` for an
+    entry that is none of the kinds taken."""
+    return source_name(source) if _a_file(source) else f"files[{index}]"
 
 
 def _cannot(name: str, error: BaseException) -> str:
