@@ -356,7 +356,8 @@ def run_benchmarks(
         threads: torch's CPU thread count while building, warming up and timing.
         quick: only the shapes marked ``quick=True``, with shorter timing.
         min_time: seconds of measurement per provider and case (default 1.0, or 0.3 with ``quick``).
-        progress: where to print one line per measured case: True for stderr, False for nowhere.
+        progress: where to print a line as each case starts and one per provider it timed: True for
+            stderr, False for nowhere.
 
     Returns:
         Rows in op, shape, mode, provider order; ``speedup`` is the baseline's p50 over the row's.
@@ -390,6 +391,8 @@ def run_benchmarks(
     with _torch_threads(threads):
         # progress counts cases (a provider may not apply to one: the rows are known once it is timed)
         for case, (bench, shape, mode) in enumerate(plan, 1):
+            if log is not None:  # before the timing: a case may take minutes (the whole training job)
+                print(f"[{case}/{len(plan)}] {bench.op} {shape.id} {mode}: timing ...", file=log, flush=True)
             result = _measure_case(bench, shape, mode, dev, threads, timing)
             base_p50 = result[bench.baseline][1]
             for provider, (p20, p50, p80) in result.items():
