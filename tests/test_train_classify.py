@@ -160,6 +160,23 @@ def test_unwritable_out_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "--out" in done.stderr
 
 
+def test_out_that_cannot_be_written_is_named_with_the_reason(tmp_path, monkeypatch):
+    """What the test above checks where it can (not as root, who writes anywhere): the check of --out says
+    which folder and why, and writes nothing."""
+    import errno
+    import tempfile
+
+    from tandem.cli.train import _check_out
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refused)
+    out = tmp_path / "run"
+    assert _check_out(out, resume=False) == f"--out {out}: cannot write there (Permission denied)"
+    assert list(out.iterdir()) == []
+
+
 def test_out_that_is_a_file_is_a_clear_error(tmp_path):
     target = tmp_path / "file"
     target.write_text("x")
