@@ -575,6 +575,44 @@ def test_torch_jit_script_of_a_subclass_with_a_forward_of_its_own_compiles_it(to
     torch.testing.assert_close(results[1][1], results[1][0], rtol=0, atol=0)
 
 
+class _Scaling:  # a mixin listed after the layer's class, with an annotated class attribute
+    scale: float = 0.5
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("tandem_cls", [tandem.nn.GRU, tandem.nn.LSTM], ids=["gru", "lstm"])
+def test_torch_jit_script_of_subclasses_with_methods_mixins_and_annotations(tandem_cls):
+    """A subclass without a forward of its own (its own initialisation, a helper) scripts as the layer
+    (a class made to carry its methods was not compilable: "Unsupported value kind: Tensor"); one with a
+    forward of its own takes its mixins' methods, annotated attributes and constants along."""
+    import warnings
+
+    class Init(tandem_cls):
+        def reset_parameters(self) -> None:
+            for w in self.parameters():
+                torch.nn.init.uniform_(w, -0.1, 0.1)
+
+        def describe(self) -> str:
+            return "init"
+
+    class Mixed(tandem_cls, _Scaling):
+        __constants__ = ["scale"]  # (as on a subclass of torch's layer)
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return self.scaled(input.sum(-1))
+
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    init = torch.nn.Sequential(Init(4, 6, dtype=torch.float64))
+    want = init(x)[0]
+    mixed = torch.nn.Sequential(Mixed(4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated (torch 2.13)
+        torch.testing.assert_close(torch.jit.script(init)(x)[0], want)
+        torch.testing.assert_close(torch.jit.script(mixed)(x), x.sum(-1) * 0.5, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
 def test_a_weight_set_to_none_is_torchs_type_error(torch_cls, tandem_cls):
     for module in (torch_cls(4, 6), tandem_cls(4, 6)):

@@ -280,17 +280,26 @@ class RNNLayers(torch.nn.RNNBase):
         what this returns into the scripted model's original too (its parent's submodules): that model
         then runs torch's forward there, with the same numbers.
 
-        A subclass's own methods and properties (its forward, torch.nn.utils.parametrize's properties)
-        come along, on a subclass of torch's class: TorchScript compiles them as it would on a subclass
-        of torch's layer (a forward of its own was dropped: torch's ran instead)."""
+        A subclass with a forward of its own has it compiled, with the rest of its classes' (and mixins')
+        methods, attributes and annotations, on a subclass of torch's class: as TorchScript compiles a
+        subclass of torch's layer (torch's forward ran in its place). torch.nn.utils.parametrize's
+        properties come along too."""
         torch_cls = getattr(torch.nn, self.mode)
+        user = [
+            c for c in type(self).__mro__ if c.__module__.split(".")[0] not in ("torch", "tandem", "builtins")
+        ]
         own: dict[str, Any] = {}
-        for c in reversed(type(self).__mro__[: type(self).__mro__.index(RNNLayers)]):
-            if not c.__module__.startswith("tandem.nn"):  # user code, or parametrize's class
+        if any("forward" in vars(c) for c in user):
+            annotations: dict[str, Any] = {}
+            constants = list(getattr(torch_cls, "__constants__", []))
+            for c in reversed(user):  # the more derived class's wins
                 own.update((k, v) for k, v in vars(c).items() if not k.startswith("__"))
-        cls: type = torch_cls
-        if own:
-            cls = type(type(self).__name__, (torch_cls,), own)
+                annotations.update(vars(c).get("__annotations__", {}))
+                constants += [k for k in vars(c).get("__constants__", []) if k not in constants]
+            own.update(__annotations__=annotations, __constants__=constants)
+        if type(self).__name__.startswith("Parametrized"):  # torch.nn.utils.parametrize's class
+            own.update((k, v) for k, v in vars(type(self)).items() if isinstance(v, property))
+        cls: type = type(type(self).__name__, (torch_cls,), own) if own else torch_cls
         twin = cls.__new__(cls)
         twin.__dict__ = self.__dict__
         return twin
