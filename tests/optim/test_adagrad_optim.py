@@ -632,25 +632,22 @@ def test_a_step_count_set_by_hand_in_another_dtype_steps_as_torch(step):
     assert [float(t) for t in ours[2]] == [float(t) for t in theirs[2]] == [3.0, 3.0]
 
 
-@pytest.mark.parametrize(
-    ("key", "value"),
-    [("sum", torch.zeros(2, 4)), ("step", 0.0)],
-    ids=["sum-of-another-shape-as-many-elements", "step-a-python-number"],
-)
-def test_a_state_set_by_hand_that_torch_refuses_is_its_error_before_any_change(key, value):
-    """A sum of the parameter's size in another shape was updated as if flat; a step count that is no
-    tensor raised an AttributeError. torch refuses both (the sum after moving the first parameter)."""
-    theirs = _with_state_set_by_hand(torch.optim.Adagrad, key, value)
-    ours = _with_state_set_by_hand(Adagrad, key, value)
+def test_a_step_count_set_by_hand_that_is_no_tensor_is_torchs_error_before_any_change():
+    """It raised an AttributeError. (A sum of the parameter's size in another shape, which torch refuses
+    after moving the parameters before it, is updated element by element: not checked at each step.)"""
+    theirs = _with_state_set_by_hand(torch.optim.Adagrad, "step", 0.0)
+    ours = _with_state_set_by_hand(Adagrad, "step", 0.0)
     assert type(ours[0]) is type(theirs[0]) is RuntimeError and str(ours[0]) == str(theirs[0])
     untouched = [torch.linspace(0, 1, 3), torch.linspace(1, 2, 8).view(4, 2)]
     torch.testing.assert_close(ours[1], untouched, rtol=0, atol=0)
     assert float(ours[2][0]) == 0.0
 
 
-def test_a_group_added_with_differentiable_to_an_optimizer_made_without_it_steps_as_torch():
-    """torch steps with grad mode as the optimizer was made (off): the group's leaf parameters update
-    as any other's; they were refused with autograd's in-place error."""
+def test_a_group_added_with_other_differentiable_steps_as_torch():
+    """torch steps with grad mode as the optimizer was made: made without differentiable, a group added
+    with it updates its leaf parameters as any other's (they were refused with autograd's in-place
+    error); made with it, a group added without it is refused with that error (it was updated), here
+    before anything changes."""
 
     def run(cls, lr):
         a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
@@ -663,6 +660,18 @@ def test_a_group_added_with_differentiable_to_an_optimizer_made_without_it_steps
 
     for lr in (0.2, torch.tensor(0.2, requires_grad=True)):
         torch.testing.assert_close(run(Adagrad, lr), run(torch.optim.Adagrad, lr), rtol=0, atol=0)
+
+    def made_differentiable(cls):
+        q = torch.ones(3, requires_grad=True) * 1.0  # not a leaf: the differentiable update takes it
+        b = torch.nn.Parameter(torch.ones(3))
+        opt = cls([q], lr=0.1, differentiable=True)
+        opt.add_param_group({"params": [b], "differentiable": False})
+        q.grad, b.grad = torch.ones(3), torch.ones(3)
+        opt.step()
+
+    error = "a leaf Variable that requires grad is being used in an in-place operation."
+    assert _raised(lambda: made_differentiable(torch.optim.Adagrad)) == (RuntimeError, error)
+    assert _raised(lambda: made_differentiable(Adagrad)) == (RuntimeError, error)
 
 
 def test_differentiable_refuses_an_lr_that_requires_grad():

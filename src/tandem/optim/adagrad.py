@@ -351,12 +351,13 @@ class Adagrad(Optimizer):
                     )
                 if group["fused"] and group["differentiable"]:  # set after construction: torch's error
                     raise RuntimeError("adagrad with fused=True does not support differentiable=True")
-                differentiable = group["differentiable"] and self.defaults["differentiable"]
-                if differentiable and any(p.is_leaf and p.requires_grad for p in params):
-                    # what torch's differentiable update raises at its in-place change of such a parameter,
-                    # after it has counted the step and added to the sum: here before anything changes.
-                    # (torch steps with grad mode as the optimizer was made: a group added with
-                    # differentiable=True to one made without it updates as any other.)
+                # torch steps with grad mode on where the optimizer was made differentiable (whatever a
+                # group says; a group added with differentiable=True to one made without it updates as any)
+                grad_mode = self.defaults["differentiable"]
+                differentiable = group["differentiable"] and grad_mode
+                if grad_mode and any(p.is_leaf and p.requires_grad for p in params):
+                    # what torch's update raises at its in-place change of such a parameter in grad mode,
+                    # after it has counted the step and added to the sum: here before anything changes
                     raise RuntimeError(
                         "a leaf Variable that requires grad is being used in an in-place operation."
                     )

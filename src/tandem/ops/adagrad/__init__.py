@@ -150,9 +150,11 @@ def adagrad_unchecked(
     # the kernels address plain storage. So does a gradient of another dtype, device or shape than its
     # parameter's (set through ``.data``): torch's per-tensor ops promote or broadcast it, or refuse it;
     # and a state of another dtype (the model converted, ``model.double()``, after the optimizer was made:
-    # torch trains on, the kernels would read the state as the parameter's dtype). So does a state set by
-    # hand, ``opt.state[p]``, that the kernels would misread: a sum of another shape (torch's ops refuse
-    # it), a step count not in float32 (an int64 or float64 one: torch counts on in it).
+    # torch trains on, the kernels would read the state as the parameter's dtype). So does a step count
+    # set by hand (``opt.state[p]``) not in float32, which the kernels would misread: an int64 or float64
+    # one, in which torch counts on. (A sum of the parameter's size in another shape, which torch's ops
+    # refuse, is updated element by element as if of the parameter's: its shape is not checked here, where
+    # that costs 0.2 us a parameter a step.)
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
     plain: list[int] = []
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
@@ -165,7 +167,6 @@ def adagrad_unchecked(
             or g.device != p.device
             or g.shape != p.shape
             or s.dtype != p.dtype
-            or s.shape != p.shape
             or t.dtype != torch.float32
         ):
             plain.append(i)
