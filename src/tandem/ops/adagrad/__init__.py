@@ -167,7 +167,7 @@ def adagrad_unchecked(
             or g.device != p.device
             or g.shape != p.shape
             or s.dtype != p.dtype
-            or t.dtype != torch.float32
+            or t.dtype is not torch.float32
         ):
             plain.append(i)
             continue
