@@ -306,19 +306,26 @@ class Recognizer:
 
     def _decode_group(
         self, read: list[tuple[int, Tensor, float, float]], batch_size: int
-    ) -> list[tuple[str | None, float, Exception | None]]:
-        """(text, seconds, error) of each read file: decoded together, the batch's time shared by length
-        (as its features and recurrent steps are); where that fails (memory for one long recording), each
-        file alone, so that what fails is that file's error and the others are transcribed."""
+    ) -> list[tuple[str | None, float, str | None]]:
+        """(text, seconds, why it failed) of each read file: decoded together, the batch's time shared by
+        length (as its features and recurrent steps are); where that fails (memory for one long
+        recording), each file alone, so that what fails is that file's error and the others are
+        transcribed (each with its share of the failed attempt's time too)."""
         mono = [m for _, m, _, _ in read]
+        total = sum(len(m) for m in mono)
+        began = time.perf_counter()
+        failed = None
         try:
             texts, seconds = self._decode(mono, batch_size)
-        except Exception as e:  # noqa: BLE001 - named as that file's error, or retried file by file
-            if len(mono) == 1:
-                return [(None, 0.0, e)]
-            return [self._decode_group([entry], 1)[0] for entry in read]
-        total = sum(len(m) for m in mono)
-        return [(text, seconds * len(m) / total if total else 0.0, None) for m, text in zip(mono, texts)]
+        except Exception as e:  # noqa: BLE001 - that file's error, or retried file by file
+            failed = _reason(e)  # the text alone: the traceback would keep the batch's tensors alive
+        if failed is None:
+            return [(text, seconds * len(m) / total if total else 0.0, None) for m, text in zip(mono, texts)]
+        if len(mono) == 1:
+            return [(None, 0.0, failed)]
+        spent = time.perf_counter() - began
+        alone = [self._decode_group([entry], 1)[0] for entry in read]
+        return [(text, s + spent * len(m) / total, why) for (text, s, why), m in zip(alone, mono)]
 
     def transcribe_files(self, files: Sequence[AudioSource], batch_size: int = 16) -> list[FileTranscript]:
         """Read and transcribe ``files`` (paths, binary file objects such as ``sys.stdin.buffer``, or
@@ -478,10 +485,15 @@ def _entry_name(source: object, index: int) -> str:
     return source_name(source) if _a_file(source) else f"files[{index}]"
 
 
-def _cannot(name: str, error: BaseException) -> str:
-    """A file's error line for a failure other than its audio's: the exception's type and first line."""
+def _reason(error: BaseException) -> str:
+    """An exception's type and the first line of its message."""
     first = (str(error).strip().splitlines() or [""])[0][:200]
-    return f"{name}: cannot transcribe ({type(error).__name__}: {first})"
+    return f"{type(error).__name__}: {first}"
+
+
+def _cannot(name: str, error: BaseException | str) -> str:
+    """A file's error line for a failure other than its audio's (an exception, or its :func:`_reason`)."""
+    return f"{name}: cannot transcribe ({error if isinstance(error, str) else _reason(error)})"
 
 
 def _padded(waveform: Tensor, samples: int) -> Tensor:
