@@ -137,6 +137,26 @@ def test_bench_with_standard_output_closed_writes_its_csv(fake_op, tmp_path, cap
     assert f"wrote 2 rows to {csv_path}" in capsys.readouterr().err
 
 
+def test_a_standard_stream_closed_at_the_start_is_the_null_device_for_children_too(tmp_path):
+    """``tandem ... 2>&-``: descriptor 2 gets the null device, inheritable as a standard stream is, so that
+    torchrun's workers start with it too (os.open's descriptor is not inherited: they started with 2
+    closed, and a file they opened took the number)."""
+    child = "import os; os.fstat(2); print('open')"
+    code = (
+        "import subprocess, sys\n"
+        "from tandem.cli.main import _null_for_closed_standard_streams\n"
+        "_null_for_closed_standard_streams()\n"
+        "print('error' if sys.stderr is None else 'stderr', flush=True)\n"
+        f"subprocess.run([sys.executable, '-c', {child!r}])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run(
+        ["sh", "-c", '"$@" 2>&-', "sh", sys.executable, "-c", code],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.stdout.split() == ["stderr", "open"], done.stdout
+
+
 def test_bench_quick(fake_op, capsys):
     assert main(["bench", "--op", fake_op, "--quick", "--threads", "1", "--min-time", "0.02"]) == 0
     out, _ = capsys.readouterr()

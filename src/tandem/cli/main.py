@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 import sys
+from typing import TextIO
 
 import tandem
 from tandem.cli import bench, train, transcribe
@@ -43,8 +44,20 @@ def _null_for_closed_standard_streams() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+            os.set_inheritable(fd, True)  # as a standard stream is: torchrun's workers start with it
     if sys.stderr is None:
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process's stderr until it exits
+        sys.stderr = _null_stream()
+
+
+def _null_stream() -> TextIO:
+    """One text stream to the null device for the process (main() may run more than once in it)."""
+    global _NULL
+    if _NULL is None:
+        _NULL = open(os.devnull, "w")  # noqa: SIM115 - open until the process exits
+    return _NULL
+
+
+_NULL: TextIO | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # in the subcommand's usage (the top-level parser's named no option of it)
         args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if sys.stdout is None and args.command != "transcribe":  # (see _null_for_closed_standard_streams)
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the process's stdout until it exits
+        sys.stdout = _null_stream()
     args.argv = argv
     args.command_line = shlex.join(["tandem", *argv])
     return args.handler(args, args.subparser)
