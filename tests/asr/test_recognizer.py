@@ -297,7 +297,12 @@ def test_arguments_of_the_wrong_kind_are_named_with_what_came(tmp_path, checkpoi
             rec.transcribe(given, 8000)
     with pytest.raises(TypeError, match="^waveforms\\[1\\]: expected samples, .* got NoneType"):
         rec.transcribe_batch([clip, None], 8000)
-    for files in ({str(path)}, {str(path): 1}):
+
+    class Indexed:  # items by index, but no length
+        def __getitem__(self, i):
+            return str(path)
+
+    for files in ({str(path)}, {str(path): 1}, torch.from_numpy(clip), Indexed()):
         with pytest.raises(TypeError, match=f"^files: expected a sequence of .* got {type(files).__name__}"):
             rec.transcribe_files(files)
     results = rec.transcribe_files([torch.from_numpy(clip), path])

@@ -256,11 +256,19 @@ class Recognizer:
         """:meth:`transcribe_files` one result at a time, in order, as each group of ``batch_size``
         files is done (only that group's audio is in memory). The arguments are checked at the call."""
         batch_size = _check_batch_size(batch_size)
-        one = isinstance(files, (str, bytes, bytearray, memoryview, os.PathLike))
-        if one or isinstance(files, (Mapping, AbstractSet)) or not hasattr(files, "__getitem__"):
+        hint = None
+        if isinstance(files, (str, bytes, bytearray, memoryview, os.PathLike)):
+            hint = "one file goes in a list"
+        elif isinstance(files, (Mapping, AbstractSet)):
+            hint = "in an order: a list"
+        elif _samples(files):
+            hint = "samples: transcribe or transcribe_batch"
+        elif not (hasattr(files, "__getitem__") and hasattr(files, "__len__")):
+            hint = "a list of them"
+        if hint is not None:
             raise TypeError(
-                f"files: expected a sequence of paths, binary file objects or files' bytes, got "
-                f"{type(files).__name__} ({'one file goes in a list' if one else 'in an order: a list'})"
+                "files: expected a sequence of paths, binary file objects or files' bytes, got "
+                f"{type(files).__name__} ({hint})"
             )
         return self._transcribe_groups(files, batch_size)
 
