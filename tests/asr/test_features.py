@@ -4,6 +4,7 @@ spectrogram, scipy's polyphase resampler, and exact band-limited signals."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -147,3 +148,29 @@ def test_resample_shapes_and_errors():
         resample(x, 0, 8000)
     with pytest.raises(ValueError, match="new_freq"):
         resample(x, 8000, 7999.5)
+
+
+def test_feature_config_takes_numbers_of_any_kind_and_refuses_what_computes_nothing():
+    """Checked when made (a checkpoint's settings too), not at the first recording: numpy's numbers and a
+    whole float are taken, as Python's int and float; what gives no sample, or no number, is refused."""
+    from fractions import Fraction
+
+    config = FeatureConfig(
+        sample_rate=np.int64(16000), n_mels=np.int32(80), window_ms=np.float32(25), hop_ms=Fraction(10)
+    )
+    assert config == FeatureConfig(16000, 80, 25.0, 10.0)
+    assert type(config.sample_rate) is int and type(config.hop_ms) is float
+    assert FeatureConfig(sample_rate=8000.0).to_dict() == FeatureConfig().to_dict()
+    refused = [
+        ({"sample_rate": 0}, "sample_rate a positive integer, got 0"),
+        ({"sample_rate": 8000.5}, "sample_rate a positive integer"),
+        ({"n_mels": True}, "n_mels a positive integer, got True"),
+        ({"hop_ms": 0.0}, "hop_ms in milliseconds, above 0 up to 10000, got 0.0"),
+        ({"window_ms": 1e308}, "window_ms in milliseconds"),
+        ({"window_ms": float("nan")}, "window_ms in milliseconds"),
+        ({"hop_ms": "10"}, "hop_ms in milliseconds"),
+        ({"sample_rate": 100, "hop_ms": 1.0}, "hop_ms of at least one sample at 100 Hz, got 1.0"),
+    ]
+    for settings, message in refused:
+        with pytest.raises(ValueError, match=re.escape(f"FeatureConfig: expected {message}")):
+            FeatureConfig(**settings)

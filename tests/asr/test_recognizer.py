@@ -386,7 +386,7 @@ def _classify_checkpoint(path):
         ("other-weights", "does not make a recognizer"),
         ("other-alphabet", "does not make a recognizer"),
         ("bad-config", "does not make a recognizer"),
-        ("no-hop", "does not make a recognizer: FeatureConfig: expected hop_ms of at least one sample"),
+        ("no-hop", "does not make a recognizer: FeatureConfig: expected hop_ms in milliseconds, above 0"),
         ("no-rate", "does not make a recognizer: FeatureConfig: expected sample_rate a positive integer"),
     ],
 )

@@ -8,6 +8,7 @@ librosa's ``htk=True`` compute; the tests compare with librosa and scipy).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -54,6 +55,14 @@ def mel_filterbank(
     return torch.clamp(torch.minimum(rising, falling), min=0.0).to(dtype)
 
 
+def _whole(value: numbers.Real) -> bool:
+    """``value`` is a whole number (16000, numpy's int64, 16000.0)."""
+    try:
+        return float(value).is_integer()
+    except OverflowError:  # an int beyond float's range
+        return isinstance(value, numbers.Integral)
+
+
 @dataclass(frozen=True)
 class FeatureConfig:
     """What turns a waveform into the model's input; saved in checkpoints, so a recognizer computes the
@@ -65,15 +74,22 @@ class FeatureConfig:
     hop_ms: float = 10.0
 
     def __post_init__(self) -> None:
-        # what a checkpoint (or a caller) hands in is checked here, not at the first recording
+        # what a checkpoint (or a caller) hands in is checked here, not at the first recording; numbers of
+        # any kind (numpy's, 16000.0) are taken as Python's int and float
         for name in ("sample_rate", "n_mels"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            whole = isinstance(value, numbers.Real) and not isinstance(value, bool) and _whole(value)
+            if not whole or value < 1:
                 raise ValueError(f"FeatureConfig: expected {name} a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
         for name, samples in (("window_ms", "win_length"), ("hop_ms", "hop_length")):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or value <= 0 or getattr(self, samples) < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 10_000:
+                raise ValueError(
+                    f"FeatureConfig: expected {name} in milliseconds, above 0 up to 10000, got {value!r}"
+                )
+            object.__setattr__(self, name, float(value))
+            if getattr(self, samples) < 1:
                 raise ValueError(
                     f"FeatureConfig: expected {name} of at least one sample at {self.sample_rate} Hz, "
                     f"got {value!r}"
