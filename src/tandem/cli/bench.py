@@ -1,8 +1,8 @@
 """``tandem bench``: time tandem against its PyTorch counterparts (the registry in ``tandem.bench``).
 
 Prints one table (p50, p20-p80 spread and speedup over the baseline per op, shape, mode and provider)
-to stdout and one progress line per measured case to stderr; ``--csv`` appends rows, ``--plot`` draws
-a bar chart of the speedups.
+to stdout and progress to stderr (a line as each case starts, one per provider timed); ``--csv``
+appends rows, ``--plot`` draws a bar chart of the speedups.
 
 Example::
 
