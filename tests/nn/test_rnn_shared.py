@@ -585,8 +585,9 @@ class _Scaling:  # a mixin listed after the layer's class, with an annotated cla
 @pytest.mark.parametrize("tandem_cls", [tandem.nn.GRU, tandem.nn.LSTM], ids=["gru", "lstm"])
 def test_torch_jit_script_of_subclasses_with_methods_mixins_and_annotations(tandem_cls):
     """A subclass without a forward of its own (its own initialisation, a helper) scripts as the layer
-    (a class made to carry its methods was not compilable: "Unsupported value kind: Tensor"); one with a
-    forward of its own takes its mixins' methods, annotated attributes and constants along."""
+    (a class made to carry its methods was not compilable: "Unsupported value kind: Tensor"), also with
+    an interface's forward listed after the layer (it ran in the layer's place); one with a forward of its
+    own takes its mixins' methods, annotated attributes, constants and unused properties along."""
     import warnings
 
     class Init(tandem_cls):
@@ -603,14 +604,35 @@ def test_torch_jit_script_of_subclasses_with_methods_mixins_and_annotations(tand
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             return self.scaled(input.sum(-1))
 
+    class Interface(torch.nn.Module):  # listed after the layer: its forward is not the one that runs
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            raise NotImplementedError
+
+    class Encoder(tandem_cls, Interface):
+        pass
+
+    class Unused(tandem_cls):  # a property TorchScript cannot compile, marked unused as torch asks
+        __jit_unused_properties__ = ["where"]
+
+        @property
+        def where(self):
+            return object()
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return input.sum(-1)
+
     x = torch.randn(5, 3, 4, dtype=torch.float64)
     init = torch.nn.Sequential(Init(4, 6, dtype=torch.float64))
-    want = init(x)[0]
-    mixed = torch.nn.Sequential(Mixed(4, 6))
+    encoder = torch.nn.Sequential(Encoder(4, 6, dtype=torch.float64))
+    want = [init(x)[0], encoder(x)[0]]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.jit.script is deprecated (torch 2.13)
-        torch.testing.assert_close(torch.jit.script(init)(x)[0], want)
+        torch.testing.assert_close(torch.jit.script(init)(x)[0], want[0])
+        torch.testing.assert_close(torch.jit.script(encoder)(x)[0], want[1])
+        torch.testing.assert_close(encoder(x)[0], want[1])  # the original after it too
+        mixed, unused = torch.nn.Sequential(Mixed(4, 6)), torch.nn.Sequential(Unused(4, 6))
         torch.testing.assert_close(torch.jit.script(mixed)(x), x.sum(-1) * 0.5, rtol=0, atol=0)
+        torch.testing.assert_close(torch.jit.script(unused)(x), x.sum(-1), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)

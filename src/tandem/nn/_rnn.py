@@ -50,6 +50,15 @@ class Rows:
     step_sizes: list[int] | None = None
 
 
+# What TorchScript reads off a module's class besides its methods: merged from a subclass's classes
+_SCRIPT_LISTS = ("__constants__", "__jit_unused_properties__", "__jit_ignored_attributes__")
+
+
+def _torch_or_tandem(cls: type) -> bool:
+    """``cls`` is torch's, tandem's or ``object``: not a class of the user's (a subclass, a mixin)."""
+    return cls is object or cls.__module__.split(".")[0] in ("torch", "tandem")
+
+
 class RNNLayers(torch.nn.RNNBase):
     """``torch.nn.RNNBase`` plus the plumbing of a packed-rows RNN module; subclasses own the hidden state."""
 
@@ -285,19 +294,22 @@ class RNNLayers(torch.nn.RNNBase):
         subclass of torch's layer (torch's forward ran in its place). torch.nn.utils.parametrize's
         properties come along too."""
         torch_cls = getattr(torch.nn, self.mode)
-        user = [
-            c for c in type(self).__mro__ if c.__module__.split(".")[0] not in ("torch", "tandem", "builtins")
-        ]
+        mro = type(self).__mro__
         own: dict[str, Any] = {}
-        if any("forward" in vars(c) for c in user):
+        if not _torch_or_tandem(next(c for c in mro if "forward" in vars(c))):  # the forward that runs
+            first: dict[str, tuple[type, Any]] = {}  # each name as the class that resolves it defines it
+            for c in mro:
+                for name, value in vars(c).items():
+                    first.setdefault(name, (c, value))
+            own = {k: v for k, (c, v) in first.items() if not _torch_or_tandem(c) and not k.startswith("__")}
             annotations: dict[str, Any] = {}
-            constants = list(getattr(torch_cls, "__constants__", []))
-            for c in reversed(user):  # the more derived class's wins
-                own.update((k, v) for k, v in vars(c).items() if not k.startswith("__"))
+            lists = {k: list(getattr(torch_cls, k, [])) for k in _SCRIPT_LISTS}
+            for c in reversed([c for c in mro if not _torch_or_tandem(c)]):  # the more derived class's wins
                 annotations.update(vars(c).get("__annotations__", {}))
-                constants += [k for k in vars(c).get("__constants__", []) if k not in constants]
-            own.update(__annotations__=annotations, __constants__=constants)
-        if type(self).__name__.startswith("Parametrized"):  # torch.nn.utils.parametrize's class
+                for k, names in lists.items():
+                    names += [n for n in vars(c).get(k, []) if n not in names]
+            own.update(lists, __annotations__=annotations)
+        if type(self).__module__ == "torch.nn.utils.parametrize":  # its class of a parametrized module
             own.update((k, v) for k, v in vars(type(self)).items() if isinstance(v, property))
         cls: type = type(type(self).__name__, (torch_cls,), own) if own else torch_cls
         twin = cls.__new__(cls)
