@@ -305,6 +305,10 @@ def test_arguments_of_the_wrong_kind_are_named_with_what_came(tmp_path, checkpoi
     for files in ({str(path)}, {str(path): 1}, torch.from_numpy(clip), Indexed()):
         with pytest.raises(TypeError, match=f"^files: expected a sequence of .* got {type(files).__name__}"):
             rec.transcribe_files(files)
+    import collections
+
+    same = [rec.transcribe_files(kind([path, str(path)])) for kind in (np.array, collections.deque)]
+    assert [[r.text for r in results] for results in same] == [[rec.transcribe(clip, 8000)] * 2] * 2
     results = rec.transcribe_files([torch.from_numpy(clip), path])
     assert results[0].error == (
         "files[0]: expected a path, a binary file object or a file's bytes, got Tensor "

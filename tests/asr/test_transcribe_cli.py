@@ -424,6 +424,13 @@ def test_closed_standard_error_keeps_the_error_lines_out_of_the_transcripts(setu
             assert records[0]["text"] == texts[0] and records[1]["text"] is None
         else:
             assert lines == [f"{files[0]}\t{texts[0]}"]
+    # a message naming a file whose name is not UTF-8 (the null device wrote UTF-8 strictly: status 1)
+    odd = os.fsencode(str(tmp_path)) + b"/\xff.pt"
+    done = subprocess.run(
+        ["sh", "-c", '"$@" 2>&-', "sh", *[os.fsencode(a) for a in command[:-2]], b"--model", odd, files[0]],
+        stdout=subprocess.PIPE, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == b""
 
 
 def test_usage_errors(setup, capsys):

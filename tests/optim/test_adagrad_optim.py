@@ -632,11 +632,17 @@ def test_a_step_count_set_by_hand_in_another_dtype_steps_as_torch(step):
     assert [float(t) for t in ours[2]] == [float(t) for t in theirs[2]] == [3.0, 3.0]
 
 
-def test_a_step_count_set_by_hand_that_is_no_tensor_is_torchs_error_before_any_change():
-    """It raised an AttributeError. (A sum of the parameter's size in another shape, which torch refuses
-    after moving the parameters before it, is updated element by element: not checked at each step.)"""
-    theirs = _with_state_set_by_hand(torch.optim.Adagrad, "step", 0.0)
-    ours = _with_state_set_by_hand(Adagrad, "step", 0.0)
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("step", 0.0), ("sum", torch.zeros(2, 2))],
+    ids=["step-a-number", "sum-of-another-size"],
+)
+def test_a_state_set_by_hand_that_torch_refuses_is_its_error_before_any_change(key, value):
+    """A step count that is no tensor raised an AttributeError; a sum of another size was refused after
+    the other parameters had moved (torch refuses it there too). (A sum of the parameter's size in another
+    shape, which torch refuses, is updated element by element: its shape is not checked at each step.)"""
+    theirs = _with_state_set_by_hand(torch.optim.Adagrad, key, value)
+    ours = _with_state_set_by_hand(Adagrad, key, value)
     assert type(ours[0]) is type(theirs[0]) is RuntimeError and str(ours[0]) == str(theirs[0])
     untouched = [torch.linspace(0, 1, 3), torch.linspace(1, 2, 8).view(4, 2)]
     torch.testing.assert_close(ours[1], untouched, rtol=0, atol=0)

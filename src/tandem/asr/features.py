@@ -79,8 +79,10 @@ class FeatureConfig:
         for name in ("sample_rate", "n_mels"):
             value = getattr(self, name)
             whole = isinstance(value, numbers.Real) and not isinstance(value, bool) and _whole(value)
-            if not whole or value < 1:
-                raise ValueError(f"FeatureConfig: expected {name} a positive integer, got {value!r}")
+            if not whole or not 1 <= value <= 10_000_000:  # (10 MHz: far above any audio's rate)
+                raise ValueError(
+                    f"FeatureConfig: expected {name} a positive integer up to 10^7, got {value!r}"
+                )
             object.__setattr__(self, name, int(value))
         for name, samples in (("window_ms", "win_length"), ("hop_ms", "hop_length")):
             value = getattr(self, name)

@@ -181,7 +181,7 @@ class Recognizer:
             recognizer = cls(model, features, alphabet, fit_edges=fit_edges)
         except CheckpointError:
             raise
-        except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        except (TypeError, ValueError, KeyError, RuntimeError, OverflowError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"{Path(path)}: does not make a recognizer: {first}") from None
         return recognizer.to(dev)
@@ -274,10 +274,9 @@ class Recognizer:
 
     def _transcribe_groups(self, files: Sequence[AudioSource], batch_size: int) -> Iterator[FileTranscript]:
         for start in range(0, len(files), batch_size):
-            group = [
-                (source, _entry_name(source, start + k))
-                for k, source in enumerate(files[start : start + batch_size])
-            ]
+            # by index, not by slice: a deque, an array of paths take indices alone, or slice otherwise
+            indices = range(start, min(start + batch_size, len(files)))
+            group = [(files[j], _entry_name(files[j], j)) for j in indices]
             done: dict[int, FileTranscript] = {}
             read: list[tuple[int, Tensor, float, float]] = []  # (index, mono, audio seconds, seconds)
             for i, (source, name) in enumerate(group):
@@ -484,7 +483,8 @@ def _a_file(source: object) -> bool:
 
 
 def _samples(source: object) -> bool:
-    return isinstance(source, (Tensor, np.ndarray))
+    """``source`` holds samples: a tensor, or a numpy array of numbers (an array of paths holds files)."""
+    return isinstance(source, Tensor) or (isinstance(source, np.ndarray) and source.dtype.kind not in "USO")
 
 
 def _entry_name(source: object, index: int) -> str:

@@ -53,7 +53,8 @@ def _null_stream() -> TextIO:
     """One text stream to the null device for the process (main() may run more than once in it)."""
     global _NULL
     if _NULL is None:
-        _NULL = open(os.devnull, "w")  # noqa: SIM115 - open until the process exits
+        # (backslashreplace, as Python's stderr: a file name that is not UTF-8 must not fail a message)
+        _NULL = open(os.devnull, "w", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
     return _NULL
 
 
