@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _cli import env as cli_env
 
 from tandem.asr import (
     ENGLISH,
@@ -29,8 +30,6 @@ from tandem.asr.checkpoint import save_checkpoint
 from tandem.cli.main import main
 
 sf = pytest.importorskip("soundfile")
-
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(scope="module")
@@ -352,10 +351,7 @@ def test_standard_input(setup, capsys, monkeypatch):
 def test_a_real_pipe_into_a_spawned_tandem(setup):
     """``python -m tandem transcribe ... - < file.wav``: the bytes of a pipe, and the exit status."""
     root, files, texts = setup
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-    }
+    env = cli_env()
     done = subprocess.run(
         [
             sys.executable,
@@ -382,10 +378,7 @@ def test_standard_output_that_fails_is_exit_2_in_one_line(setup):
     """``> /dev/full`` ended in a traceback, and ``>&-`` (stdout closed) in status 0 with every line
     dropped: both are now one line on stderr and status 2, as nothing was delivered."""
     root, files, _ = setup
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-    }
+    env = cli_env()
     command = [sys.executable, "-m", "tandem", "transcribe", "--model", str(root / "checkpoint.pt"), *files]
     with open("/dev/full", "w") as full:
         done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, env=env, timeout=120)
@@ -407,10 +400,7 @@ def test_closed_standard_error_keeps_the_error_lines_out_of_the_transcripts(setu
     landed among the transcripts (and broke the JSON lines); it goes nowhere now, the file's JSON line
     still says it failed, and the status says so."""
     root, files, texts = setup
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-    }
+    env = cli_env()
     command = [sys.executable, "-m", "tandem", "transcribe", "--model", str(root / "checkpoint.pt")]
     for json_lines in (False, True):
         args = [*command, *(["--json"] if json_lines else []), files[0], str(tmp_path / "gone.wav")]
@@ -485,11 +475,7 @@ def test_a_file_name_that_is_not_utf8_is_printed_as_its_bytes(setup, tmp_path):
     odd = os.fsencode(tmp_path) + b"/bad\xffname.wav"
     with open(odd, "wb") as f:
         f.write(Path(files[0]).read_bytes())
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-        "PYTHONIOENCODING": "utf-8",  # strict, as under a usual en_US.UTF-8 locale
-    }
+    env = dict(cli_env(), PYTHONIOENCODING="utf-8")  # strict, as under a usual en_US.UTF-8 locale
     command = [sys.executable, "-m", "tandem", "transcribe", "--model", str(root / "checkpoint.pt")]
     done = subprocess.run([*command, odd, files[1]], capture_output=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
