@@ -27,6 +27,7 @@ __all__ = [
     "MAX_CHANNELS",
     "MAX_SAMPLE_RATE",
     "SILENCE_PEAK",
+    "first_line",
     "half_range",
     "read_audio",
     "read_header",
@@ -71,6 +72,11 @@ AudioSource = Union[str, bytes, bytearray, memoryview, "os.PathLike[str]", Binar
 class AudioError(ValueError):
     """A recording that cannot be transcribed: missing, not audio, empty or silent. The message starts
     with the file's (or argument's) name."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message ("" for none): what a one-line message quotes of it."""
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def source_name(source: AudioSource) -> str:
@@ -676,9 +682,9 @@ def to_model_input(
     try:
         x = torch.as_tensor(waveform)
     except (TypeError, ValueError, RuntimeError) as e:  # a list of strings, ragged lists, objects
-        first = (str(e).strip().splitlines() or [""])[0]
         raise TypeError(
-            f"{name}: expected samples, a tensor or numpy array, got {type(waveform).__name__} ({first})"
+            f"{name}: expected samples, a tensor or numpy array, got {type(waveform).__name__} "
+            f"({first_line(e)})"
         ) from None
     if x.dim() not in (1, 2):
         raise ValueError(f"{name}: expected [samples] or [channels, samples], got shape {list(x.shape)}")

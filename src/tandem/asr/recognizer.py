@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tandem.asr.audio import AudioError, AudioSource, read_audio, source_name, to_model_input
+from tandem.asr.audio import AudioError, AudioSource, first_line, read_audio, source_name, to_model_input
 from tandem.asr.checkpoint import CheckpointError, load_checkpoint
 from tandem.asr.decode import greedy_decode
 from tandem.asr.features import FeatureConfig, LogMel
@@ -84,9 +84,8 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:  # an index (an accelerator's) where none is, a bad string
-        first = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(
-            f"Recognizer: expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} ({first})"
+            f"Recognizer: expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} ({first_line(e)})"
         ) from None
     if dev.type not in ("cpu", "cuda"):  # the kernels run on these; 'meta' computes nothing
         raise ValueError(f"Recognizer: expected device 'auto', 'cpu', 'cuda' or 'cuda:N', got {str(dev)!r}")
@@ -494,9 +493,8 @@ def _entry_name(source: object, index: int) -> str:
 
 
 def _reason(error: BaseException) -> str:
-    """An exception's type and the first line of its message."""
-    first = (str(error).strip().splitlines() or [""])[0][:200]
-    return f"{type(error).__name__}: {first}"
+    """An exception's type and the first line of its message (200 characters at most)."""
+    return f"{type(error).__name__}: {first_line(error)[:200]}"
 
 
 def _cannot(name: str, error: BaseException | str) -> str:
