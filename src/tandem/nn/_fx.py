@@ -9,19 +9,27 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["fx_leaf", "tandem_forward"]
+__all__ = ["fx_leaf", "ours", "runs_own_forward", "tandem_forward"]
 
 
-def fx_leaf(
-    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *, owner: type
-) -> Any:
+def ours(cls: type) -> bool:
+    """``cls`` is torch's, tandem's or ``object``: not a class of the user's (a subclass, a mixin)."""
+    return cls is object or cls.__module__.split(".")[0] in ("torch", "tandem")
+
+
+def runs_own_forward(module: torch.nn.Module) -> bool:
+    """The forward that ``module`` runs is a user's class's (a subclass's), not tandem's."""
+    return not ours(next(c for c in type(module).__mro__ if "forward" in vars(c)))
+
+
+def fx_leaf(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
     """The ``call_module`` node of ``module`` called with ``args`` and ``kwargs`` when one of them is a
     symbolic tracer's Proxy (what ``torch.fx.Tracer.call_module`` makes of a leaf module), else None: also
     for the traced root itself, which torch.fx traces into (torch's modules there fail as tandem's do).
 
-    ``owner`` is the tandem class whose ``forward`` asks. A subclass with a forward of its own is user code,
-    which torch.fx traces into; when that forward calls ``super().forward``, the node is a call of
-    :func:`tandem_forward` on the module (a ``call_module`` would run the subclass's whole forward again)."""
+    A subclass with a forward of its own (:func:`runs_own_forward`) is user code, which torch.fx traces
+    into; when that forward calls ``super().forward``, the node is a call of :func:`tandem_forward` on the
+    module (a ``call_module`` would run the subclass's whole forward again)."""
     kwargs = kwargs or {}
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.fx.Proxy):
@@ -29,7 +37,7 @@ def fx_leaf(
             if module is getattr(tracer, "root", None):
                 return None
             path = tracer.path_of_module(module)
-            if type(module).forward is owner.forward:
+            if not runs_own_forward(module):
                 return tracer.create_proxy("call_module", path, args, kwargs)
             this = tracer.create_proxy("get_attr", path, (), {})
             return tracer.create_proxy("call_function", tandem_forward, (this, *args), kwargs)

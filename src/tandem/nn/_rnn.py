@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from tandem._backend import use_triton
+from tandem.nn._fx import ours, runs_own_forward
 from tandem.ops._recompute import mutation_allowed, needs_autograd_ops, transformed, versions_unchanged
 
 __all__ = ["Rows", "RNNLayers", "needs_formulas"]
@@ -52,11 +53,6 @@ class Rows:
 
 # What TorchScript reads off a module's class besides its methods: merged from a subclass's classes
 _SCRIPT_LISTS = ("__constants__", "__jit_unused_properties__", "__jit_ignored_attributes__")
-
-
-def _torch_or_tandem(cls: type) -> bool:
-    """``cls`` is torch's, tandem's or ``object``: not a class of the user's (a subclass, a mixin)."""
-    return cls is object or cls.__module__.split(".")[0] in ("torch", "tandem")
 
 
 class RNNLayers(torch.nn.RNNBase):
@@ -296,15 +292,15 @@ class RNNLayers(torch.nn.RNNBase):
         torch_cls = getattr(torch.nn, self.mode)
         mro = type(self).__mro__
         own: dict[str, Any] = {}
-        if not _torch_or_tandem(next(c for c in mro if "forward" in vars(c))):  # the forward that runs
+        if runs_own_forward(self):
             first: dict[str, tuple[type, Any]] = {}  # each name as the class that resolves it defines it
             for c in mro:
                 for name, value in vars(c).items():
                     first.setdefault(name, (c, value))
-            own = {k: v for k, (c, v) in first.items() if not _torch_or_tandem(c) and not k.startswith("__")}
+            own = {k: v for k, (c, v) in first.items() if not ours(c) and not k.startswith("__")}
             annotations: dict[str, Any] = {}
             lists = {k: list(getattr(torch_cls, k, [])) for k in _SCRIPT_LISTS}
-            for c in reversed([c for c in mro if not _torch_or_tandem(c)]):  # the more derived class's wins
+            for c in reversed([c for c in mro if not ours(c)]):  # the more derived class's wins
                 annotations.update(vars(c).get("__annotations__", {}))
                 for k, names in lists.items():
                     names += [n for n in vars(c).get(k, []) if n not in names]

@@ -70,7 +70,7 @@ class GRU(RNNLayers):
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: Tensor | None = None
     ) -> tuple[Tensor | PackedSequence, Tensor]:
-        traced = fx_leaf(self, (input,) if hx is None else (input, hx), owner=GRU)  # torch.fx: a leaf
+        traced = fx_leaf(self, (input,) if hx is None else (input, hx))  # torch.fx: a leaf, as torch's
         if traced is not None:
             return traced
         return self._dispatch(input, hx)

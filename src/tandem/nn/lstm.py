@@ -126,7 +126,7 @@ class LSTM(RNNLayers):
     def forward(  # type: ignore[override]
         self, input: Tensor | PackedSequence, hx: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
-        traced = fx_leaf(self, (input,) if hx is None else (input, hx), owner=LSTM)  # torch.fx: a leaf
+        traced = fx_leaf(self, (input,) if hx is None else (input, hx))  # torch.fx: a leaf, as torch's
         if traced is not None:
             return traced
         return self._dispatch(input, hx)

@@ -196,8 +196,7 @@ class SyncBatchNorm(_BatchNorm):
         """Normalise ``input``; ``mask`` ``[N, *]`` or ``lengths`` ``[N]`` mark the real frames (see the
         class docstring). A PackedSequence comes back as a PackedSequence."""
         args = (input,) if mask is None else (input, mask)
-        kwargs = {} if lengths is None else {"lengths": lengths}
-        traced = fx_leaf(self, args, kwargs, owner=SyncBatchNorm)  # torch.fx: a leaf
+        traced = fx_leaf(self, args, {} if lengths is None else {"lengths": lengths})  # torch.fx: a leaf
         if traced is not None:
             return traced
         if isinstance(input, PackedSequence):
