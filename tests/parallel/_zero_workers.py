@@ -7,6 +7,7 @@ process computes the single-process ``torch.optim.Adagrad`` references with the 
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import traceback
 from collections.abc import Callable
@@ -144,6 +145,10 @@ def _check_bad_arguments(rank: int, world: int) -> dict[str, Any]:
     out["lr"] = _raises(lambda: ZeroAdagrad(m.parameters(), lr=-1.0))
     out["eps"] = _raises(lambda: ZeroAdagrad(m.parameters(), eps=-1.0))
     out["timeout"] = _raises(lambda: ZeroAdagrad(m.parameters(), timeout=0))
+    out["timeout_text"] = _raises(lambda: ZeroAdagrad(m.parameters(), timeout="5"))
+    # no deadline: the construction's collectives wait on threading's events, which refuse ~292 years
+    out["timeout_inf"] = _raises(lambda: ZeroAdagrad(m.parameters(), timeout=float("inf")))
+    out["timeout_max"] = _raises(lambda: ZeroAdagrad(m.parameters(), timeout=datetime.timedelta.max))
     out["differentiable"] = _raises(lambda: ZeroAdagrad(m.parameters(), differentiable=True))
     both = dict(fused=True, differentiable=True)  # torch's check of the pair comes first
     out["fused_differentiable"] = (

@@ -402,9 +402,12 @@ def test_one_rank_is_exact_and_sends_nothing(one_rank):
     assert list(ddp.state_dict()) == [f"module.{k}" for k in bare.state_dict()]
 
 
-def test_one_rank_runs_a_registered_hook(one_rank):
+@pytest.mark.parametrize("timeout", [None, float("inf")], ids=["group-timeout", "no-deadline"])
+def test_one_rank_runs_a_registered_hook(one_rank, timeout):
+    """The hook's futures are waited for with a deadline, or with none (infinite: threading's waits
+    refuse one of more than ~292 years with an OverflowError)."""
     model, bare = w.mlp(torch.float32), w.mlp(torch.float32)
-    ddp = tandem.parallel.DistributedDataParallel(model)
+    ddp = tandem.parallel.DistributedDataParallel(model, timeout=timeout)
     ddp.register_comm_hook(None, tandem.parallel.hooks.fp16_compress_hook)
     with pytest.raises(RuntimeError, match="only be called once"):
         ddp.register_comm_hook(None, tandem.parallel.hooks.bf16_compress_hook)
@@ -472,6 +475,10 @@ def test_one_rank_argument_errors(one_rank):
         make(torch.nn.Linear(2, 2), device_ids=[0])
     with pytest.raises(ValueError, match="timeout"):
         make(torch.nn.Linear(2, 2), timeout=0)
+    for bad in ("5", True, [1]):  # float() took "5" and True as seconds, and named nothing for a list
+        with pytest.raises(TypeError, match=r"expected timeout as seconds \(a number\) or a datetime"):
+            make(torch.nn.Linear(2, 2), timeout=bad)
+    assert make(torch.nn.Linear(2, 2), timeout=np.float32(2.5)).timeout == 2.5
     with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
         make(torch.nn.Linear(2, 2).requires_grad_(False))
     with pytest.raises(AttributeError, match="torch.nn.Module"):  # torch's type

@@ -126,6 +126,8 @@ def test_bad_arguments_raise_before_anything_changes(group):
         assert res["lr"] == "ValueError: Invalid learning rate: -1.0"
         assert res["eps"] == "ValueError: Invalid epsilon value: -1.0"
         assert res["timeout"].startswith("ValueError") and "timeout" in res["timeout"]
+        assert res["timeout_text"].startswith("TypeError: ZeroAdagrad: expected timeout as seconds")
+        assert res["timeout_inf"] == res["timeout_max"] == "no error"
         assert res["differentiable"].startswith("ValueError") and "differentiable" in res["differentiable"]
         assert res["to_range"].startswith("ValueError") and "to (a rank" in res["to_range"]
         assert f"got {world}" in res["to_range"] and "got True" in res["to_bool"]

@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "group_timeout_seconds",
     "timeout_seconds",
+    "wait_s",
     "CommunicationError",
     "watch",
     "wait_event",
@@ -56,13 +57,30 @@ def timeout_seconds(
     timeout: float | datetime.timedelta | None, owner: str, group: dist.ProcessGroup | None = None
 ) -> float:
     """``timeout`` (seconds or a timedelta; None for the process ``group``'s own timeout, as torch's
-    collectives wait) in seconds; ``owner`` names the class in the error a non-positive value raises."""
+    collectives wait) in seconds; ``owner`` names the class in the error a value of another kind (a
+    TypeError) or a non-positive one (a ValueError) raises. ``float('inf')``, or any wait longer than
+    :data:`threading.TIMEOUT_MAX`, sets no deadline (see :func:`wait_s`)."""
     if timeout is None:
         return group_timeout_seconds(group)
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (bool, str, bytes)) or not hasattr(timeout, "__float__"):
+        # float() would take "5" and True as seconds
+        raise TypeError(
+            f"{owner}: expected timeout as seconds (a number) or a datetime.timedelta, got "
+            f"{type(timeout).__name__} {timeout!r}"
+        )
+    else:
+        seconds = float(timeout)
     if not seconds > 0:
         raise ValueError(f"{owner}: expected a positive timeout, got {timeout!r}")
     return seconds
+
+
+def wait_s(seconds: float) -> float | None:
+    """``seconds`` as a wait of :mod:`threading` (which refuses more than :data:`threading.TIMEOUT_MAX`,
+    about 292 years, with an OverflowError): None, no deadline, above it; 0 below 0."""
+    return None if seconds > threading.TIMEOUT_MAX else max(0.0, seconds)
 
 
 class CommunicationError(RuntimeError):
@@ -90,7 +108,7 @@ def wait_event(
 ) -> None:
     """Wait for ``event`` until ``deadline`` (``time.monotonic()`` seconds), else raise
     :class:`CommunicationError` naming ``what`` (and ``who`` waited: the class the user called)."""
-    if not event.wait(max(0.0, deadline - time.monotonic())):
+    if not event.wait(wait_s(deadline - time.monotonic())):
         rank = dist.get_rank() if dist.is_initialized() else "?"
         raise CommunicationError(
             f"{who}: rank {rank} waited {timeout:g} s for {what} without it completing; "

@@ -62,6 +62,7 @@ from tandem.parallel.comm import (
     result,
     timeout_seconds,
     wait_event,
+    wait_s,
     wait_work,
 )
 
@@ -289,8 +290,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         timeout: seconds (or a ``timedelta``) to wait for any collective before raising
             :class:`~tandem.parallel.CommunicationError`; default: the process group's own timeout
             (``init_process_group(timeout=...)``; torch's default 30 minutes), which torch's DDP waits
-            too. A dead or stuck rank makes the others raise within it instead of hanging (the process
-            group is not usable afterwards: later forwards raise at once). The wait is on the host, so
+            too; ``float('inf')`` sets no deadline. A dead or stuck rank makes the others raise within it
+            instead of hanging (the process group is not usable afterwards: later forwards raise at
+            once). The wait is on the host, so
             it bounds Gloo collectives; NCCL marks work done at enqueue, so there a hang falls to NCCL's
             watchdog - not tested here.
 
@@ -1474,7 +1476,7 @@ class _CommThread:
         """Wait (up to ``timeout`` seconds) until the tasks submitted so far have run."""
         done = threading.Event()
         self._tasks.put(done.set)
-        done.wait(timeout)
+        done.wait(wait_s(timeout))
 
     @staticmethod
     def _run(tasks: queue.SimpleQueue, errors: list[Exception]) -> None:

@@ -170,8 +170,10 @@ class ZeroAdagrad(Optimizer):
     Args:
         params: iterable of parameters or of dicts defining parameter groups; the same, in the same
             order, on every rank (checked: a ``ValueError`` on every rank otherwise). Parameters must
-            be dense and of a real floating dtype; a non-contiguous one (``model.to(memory_format=
-            torch.channels_last)``, before or after the optimizer is made) steps through a contiguous copy.
+            be dense and of a real floating dtype, and so must their gradients, of their parameter's
+            dtype and shape (a ``RuntimeError`` on every rank at ``step()`` otherwise); a
+            non-contiguous parameter (``model.to(memory_format=torch.channels_last)``, before or after
+            the optimizer is made) steps through a contiguous copy.
         lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize: as
             ``torch.optim.Adagrad`` (defaults 1e-2, 0, 0, 0, 1e-10, False).
         foreach, fused: accepted (and kept in the parameter groups, so that a consolidated state dict
@@ -179,7 +181,8 @@ class ZeroAdagrad(Optimizer):
         differentiable: must be False.
         process_group: the ranks that share the state (default: the default group).
         timeout: seconds (or a ``timedelta``) to wait for any collective before raising
-            :class:`~tandem.parallel.CommunicationError`; default: the process group's own timeout.
+            :class:`~tandem.parallel.CommunicationError`; default: the process group's own timeout;
+            ``float('inf')`` sets no deadline (the process group's own still ends a collective).
 
     Example::
 
