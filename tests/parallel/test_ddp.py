@@ -8,7 +8,9 @@ every process is killed at the end, whatever happened.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -612,6 +614,37 @@ def test_every_argument_of_torchs_ddp_is_taken_with_torchs_default():
         return [n for n, p in params.items() if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
 
     assert positional(ours)[: len(positional(torchs))] == positional(torchs)  # in torch's order
+
+
+def test_under_torch_2_11s_signature_its_missing_arguments_are_refused_even_at_2_13s_defaults(
+    one_rank, monkeypatch
+):
+    """torch 2.11's DistributedDataParallel has no batched_grad_copy or forward_sync_buffers: passing
+    either is its TypeError, whatever the value (tandem took False and None, 2.13's defaults). Simulated
+    here: 2.11's signature set on the installed torch's, and tandem's module loaded again under it."""
+    Torch = torch.nn.parallel.DistributedDataParallel
+    params = inspect.signature(Torch.__init__).parameters
+    newer = ("batched_grad_copy", "forward_sync_buffers")
+    older = [p.replace(default=True) if n == "broadcast_buffers" else p for n, p in params.items()]
+    monkeypatch.setattr(
+        Torch.__init__,
+        "__signature__",
+        inspect.Signature([p for p in older if p.name not in newer]),
+        raising=False,
+    )
+    spec = importlib.util.spec_from_file_location("tandem_ddp_under_2_11", tandem.parallel.ddp.__file__)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    make = module.DistributedDataParallel
+    for kwargs in ({"batched_grad_copy": False}, {"batched_grad_copy": True}, {"forward_sync_buffers": None}):
+        (name,) = kwargs
+        with pytest.raises(TypeError, match=f"got an unexpected keyword argument '{name}'"):
+            make(torch.nn.Linear(2, 2), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 2.11 deprecates nothing
+        ddp = make(torch.nn.Linear(2, 2), broadcast_buffers=False)
+    assert ddp.will_sync_module_buffers() is False
 
 
 @pytest.mark.parametrize(

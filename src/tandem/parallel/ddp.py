@@ -75,6 +75,20 @@ __all__ = ["DistributedDataParallel", "DDPStats", "DEFAULT_TIMEOUT_S"]
 _TORCH_DDP_PARAMETERS = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
 _TORCH_DDP_ARGUMENTS = frozenset(_TORCH_DDP_PARAMETERS)
 _BROADCAST_BUFFERS_DEFAULT = _TORCH_DDP_PARAMETERS["broadcast_buffers"].default
+
+
+class _Absent:
+    """The default of an argument the installed torch's DistributedDataParallel lacks (2.11's
+    batched_grad_copy and forward_sync_buffers): passing it at all, even its 2.13 default, is torch's
+    TypeError."""
+
+    def __repr__(self) -> str:
+        return "<not in this torch>"
+
+
+_ABSENT = _Absent()
+_BATCHED_GRAD_COPY_DEFAULT = False if "batched_grad_copy" in _TORCH_DDP_ARGUMENTS else _ABSENT
+_FORWARD_SYNC_BUFFERS_DEFAULT = None if "forward_sync_buffers" in _TORCH_DDP_ARGUMENTS else _ABSENT
 _TORCH_DEPRECATES_BROADCAST_BUFFERS = "forward_sync_buffers" in _TORCH_DDP_ARGUMENTS
 _BOTH_BUFFER_ARGUMENTS = (
     "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is deprecated "
@@ -283,7 +297,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         bucket_cap_mb_list: each bucket's size in MiB, in order (the last for the rest).
         batched_grad_copy: accepted (a copy strategy of torch's reducer; nothing to change here).
         forward_sync_buffers: torch 2.13's successor of broadcast_buffers: when given, it decides the
-            broadcast before each forward, and the buffers are synced here whatever it says.
+            broadcast before each forward, and the buffers are synced here whatever it says. Under
+            torch 2.11, which has neither of these two, passing either is its ``TypeError``.
         delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
             skip_all_reduce_unused_params: not supported: anything but the default raises
             ``NotImplementedError`` naming it.
@@ -325,8 +340,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         device_mesh: Any = None,
         skip_all_reduce_unused_params: bool = False,
         bucket_cap_mb_list: list[float] | None = None,
-        batched_grad_copy: bool = False,
-        forward_sync_buffers: bool | None = None,
+        batched_grad_copy: bool = _BATCHED_GRAD_COPY_DEFAULT,
+        forward_sync_buffers: bool | None = _FORWARD_SYNC_BUFFERS_DEFAULT,
         *,
         timeout: float | datetime.timedelta | None = None,
     ) -> None:
@@ -352,15 +367,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 FutureWarning,
                 stacklevel=2,
             )
-        newer = {
-            "batched_grad_copy": batched_grad_copy,
-            "forward_sync_buffers": forward_sync_buffers is not None,
-        }
+        newer = {"batched_grad_copy": batched_grad_copy, "forward_sync_buffers": forward_sync_buffers}
         for name, given in newer.items():
-            if given and name not in _TORCH_DDP_ARGUMENTS:  # Python's words for torch's signature
+            if given is not _ABSENT and name not in _TORCH_DDP_ARGUMENTS:  # Python's words for torch's
                 raise TypeError(
                     f"DistributedDataParallel.__init__() got an unexpected keyword argument '{name}'"
                 )
+        forward_sync_buffers = None if forward_sync_buffers is _ABSENT else forward_sync_buffers
         if broadcast_buffers is not None and _TORCH_DEPRECATES_BROADCAST_BUFFERS:
             both = forward_sync_buffers is not None
             warnings.warn(
