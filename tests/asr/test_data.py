@@ -8,6 +8,7 @@ import subprocess
 import sys
 import wave
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from tandem.asr.corpus import DIGIT_WORDS, SPOKEN_DIGITS, load_spoken_digits
 from tandem.asr.generator import ConnectedDigits, split_recordings
-from tandem.asr.training import AUGMENTED_GAIN_DB, TEST_SEED, digit_sets
+from tandem.asr.training import AUGMENTED_GAIN_DB, TEST_SEED, _batches, digit_sets
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDD = ROOT.parent / "shared" / "data" / "fsdd"
@@ -152,3 +153,17 @@ def test_training_utterances_may_start_and_end_on_a_word_the_test_set_keeps_its_
     test_edges = [e for u in sets.test.plan(TEST_SEED) for e in (u.gaps[0], u.gaps[-1])]
     assert min(train_edges) < 10 * rate and max(train_edges) <= 200 * rate
     assert min(test_edges) >= 20 * rate
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("count", [1, 31, 32, 33, 65, 70, 97])
+def test_every_planned_utterance_is_in_one_global_batch_that_every_rank_has_a_share_of(count, world):
+    """Batches of 32 by length: a last batch too small for every rank to get an utterance was dropped,
+    and with it the same longest recordings of a manifest every epoch (65 of them on 2 ranks: the
+    longest never trained). It now joins the batch before it; only a plan of fewer utterances than
+    ranks has no batch."""
+    plan = [SimpleNamespace(length=int(n)) for n in np.random.default_rng(count).integers(100, 9000, count)]
+    batches = _batches(plan, 32, world, np.random.default_rng(0))
+    assert all(len(b) >= world for b in batches) and all(len(b) < 32 + world for b in batches)
+    trained = sorted(id(u) for b in batches for u in b)
+    assert trained == (sorted(id(u) for u in plan) if count >= world else [])

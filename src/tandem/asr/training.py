@@ -195,10 +195,14 @@ def resume_mismatch(config: TrainConfig, world_size: int, state: dict[str, Any])
 
 
 def _batches(plan: list[Utterance], size: int, world: int, rng: np.random.Generator) -> list[list[Utterance]]:
-    """Global batches of utterances of similar length (little padding, short time loops), in random order;
-    a batch too small to give every rank an utterance is dropped."""
+    """Global batches of utterances of similar length (little padding, short time loops), in random order.
+    A last batch too small to give every rank an utterance joins the one before it (dropping it left out
+    the same longest recordings every epoch); a plan of fewer utterances than ranks has no batch."""
     by_length = sorted(plan, key=lambda u: u.length)
     batches = [by_length[i : i + size] for i in range(0, len(by_length), size)]
+    if len(batches) > 1 and len(batches[-1]) < world:
+        last = batches.pop()
+        batches[-1] = batches[-1] + last
     batches = [b for b in batches if len(b) >= world]
     return [batches[i] for i in rng.permutation(len(batches))]
 
