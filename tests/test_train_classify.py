@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -224,6 +225,40 @@ def test_a_diverged_loss_ends_the_run_once_with_a_message(tmp_path):
     assert "tandem train: error: the loss became nan in epoch 1" in done.stderr
     assert done.stdout.count("tandem train: GRU") == 1, "torchrun restarted the ranks"
     assert "Traceback" not in done.stderr and "training processes failed" not in done.stderr
+
+
+def test_a_full_disk_stops_the_run_with_a_clear_error_and_no_restarts(tmp_path):
+    """A limit on file sizes fails the first checkpoint's write (EFBIG, as a full disk's ENOSPC would):
+    the ranks end together with one line naming the file, not rank 0's traceback and torchrun restarting
+    the group into the same disk, training from the start each time (as the speech task ends)."""
+    out = tmp_path / "run"
+    limit = 4 * 1024  # the checkpoint of SMALL's model is ~20 kB
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    command = ["train", "--task", "classify", *ON_CPU, "--nproc", "2", *SMALL, "--epochs", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem", *command, "--out", str(out), "--master-port", free_port()],
+        capture_output=True, text=True, timeout=240, env=env(), preexec_fn=small_files,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "tandem train: error: the checkpoint after epoch 1: " in done.stderr, done.stderr[-3000:]
+    assert "checkpoint.pt: not written" in done.stderr
+    assert "make room, then run the same command" in done.stderr and "--resume" not in done.stderr  # none
+    assert "Traceback" not in done.stderr and done.stdout.count("tandem train: GRU") == 1, done.stderr[-3000:]
+    assert not list(out.glob("*.pt")) and not list(out.glob(".*tmp*"))
+
+
+def test_metrics_that_cannot_be_written_are_a_clear_error_after_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    (out / "metrics.json").mkdir(parents=True)  # the rename onto it fails, as a full disk's write would
+    done = _tandem("--nproc", "2", *SMALL, "--epochs", "1", "--out", str(out), "--master-port", free_port())
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"tandem train: error: {out / 'metrics.json'}: not written (" in done.stderr, done.stderr[-3000:]
+    assert "the run is done and wrote checkpoint.pt to" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout.count("tandem train: GRU") == 1
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
 
 
 def test_resume_with_other_settings_is_a_clear_error(tmp_path):

@@ -21,7 +21,13 @@ import torch
 import torch.nn.functional as F
 
 import tandem
-from tandem.asr.checkpoint import CheckpointError, CheckpointStore, atomic_write, read_checkpoint_file
+from tandem.asr.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    atomic_write,
+    not_written,
+    read_checkpoint_file,
+)
 from tandem.asr.distributed import Group, pick_device, pin_to_cores, rank_threads
 from tandem.asr.interrupt import collective_exit, die_with_torchrun
 from tandem.data import JAPANESE_VOWELS, SequenceData, load_npz
@@ -96,7 +102,8 @@ def _evaluate(model, data: SequenceData, group: Group, device: torch.device, bat
 
 
 def train(args: argparse.Namespace) -> int:
-    """Train this rank's part; returns the exit status: 0 done, 1 a loss that became NaN or inf, 2 a
+    """Train this rank's part; returns the exit status: 0 done, 1 a loss that became NaN or inf or a file
+    that could not be written (a full disk), 2 a
     checkpoint whose settings differ from --resume's (every rank reaches these together; under tandem
     train's launcher they go to its exit-status file instead, see tandem.asr.interrupt.collective_exit)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -238,6 +245,7 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
             "sequences_per_second": seen / epoch_seconds,
         }
         history.append(record)
+        problem = None  # why rank 0 could not write this epoch's checkpoint
         if not math.isfinite(record["train_loss"]):  # the same sum on every rank: all stop here
             _error(lead, f"the loss became {record['train_loss']} in epoch {epoch + 1}")
             return 1
@@ -257,7 +265,22 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
                 "config": run_config,
                 "train_seconds": seconds_before + time.perf_counter() - started,
             }
-            atomic_write(lambda tmp, state=state: torch.save(state, tmp), checkpoint_path)
+            try:
+                atomic_write(lambda tmp, state=state: torch.save(state, tmp), checkpoint_path)
+            except (OSError, RuntimeError) as e:  # torch.save's failed write is a RuntimeError
+                problem = not_written(checkpoint_path, e)
+        # every rank learns rank 0's outcome and ends with it (an exception would have torchrun restart
+        # the group into the same full disk, training from the start)
+        if group.sum([float(problem is not None)])[0]:
+            found = lead and checkpoint_path.exists()
+            _error(
+                lead,
+                f"the checkpoint after epoch {epoch + 1}: {problem}. "
+                + (f"{checkpoint_path} is the one before: " if found else "")
+                + "make room, then run the same command"
+                + (" with --resume" if found else ""),
+            )
+            return 1
 
     if lead:
         train_seconds = seconds_before + time.perf_counter() - started
@@ -277,10 +300,20 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
         }
         text = json.dumps(metrics, indent=2)
         written = ["checkpoint.pt"] if start_epoch < args.epochs else []  # an epoch ran: it wrote one
-        atomic_write(lambda tmp: tmp.write_text(text + "\n"), args.out / "metrics.json")
-        written.append("metrics.json")
-        if history and _plot(history, args.out / "training_curve.png"):
-            written.append("training_curve.png")
+        name = "metrics.json"
+        try:
+            atomic_write(lambda tmp: tmp.write_text(text + "\n"), args.out / name)
+            written.append(name)
+            name = "training_curve.png"
+            if history and _plot(history, args.out / name):
+                written.append(name)
+        except OSError as e:  # rank 0 alone, after the last collective: the others have ended
+            _error(
+                lead,
+                f"{not_written(args.out / name, e)}; the run is done and "
+                + (f"wrote {', '.join(written)} to {args.out}" if written else "wrote nothing more"),
+            )
+            return 1
         accuracy = f"{metrics['test_accuracy']:.4f}" if history else "n/a"
         print(
             f"done: test accuracy {accuracy} after {len(history)} epochs, {train_seconds:.1f} s of "
