@@ -723,3 +723,26 @@ def test_a_recording_of_one_output_frame_is_refused_for_training_naming_it(tmp_p
     )  # fmt: skip
     assert done.returncode == 2 and "too short to train on" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_linked_manifests_relative_paths_are_relative_to_the_links_folder(manifests, tmp_path):
+    """The README's "relative to the manifest's folder", for a manifest reached through a link: the
+    folder the user named, as NeMo reads it. The link's target's folder was taken, training on its
+    audio/ where the link's folder has another."""
+    import argparse
+
+    import tandem.asr.training as training
+    from tandem.cli import train as cli_train
+
+    train, test = manifests
+    (tmp_path / "audio").mkdir()
+    for wav in (train.parent / "audio").iterdir():  # copies, under the same names
+        (tmp_path / "audio" / wav.name).write_bytes(wav.read_bytes())
+    (tmp_path / "train.jsonl").symlink_to(train)  # beside the copies
+    parser = argparse.ArgumentParser()
+    cli_train.add_arguments(parser)
+    link = tmp_path / "train.jsonl"
+    args = parser.parse_args(["--train-manifest", str(link), "--test-manifest", str(test)])
+    entries, _ = training.manifest_entries(cli_train.asr_config(cli_train._with_defaults(args)))
+    relative = [e.path for e in entries[1:]]  # the first line's path is absolute
+    assert relative and all(p.parent == tmp_path / "audio" for p in relative), relative[:2]

@@ -549,8 +549,10 @@ def asr_config(args: argparse.Namespace):
     from tandem.asr.training import TrainConfig
 
     alphabet = Alphabet.widened(ENGLISH, [args.alphabet]) if args.alphabet else ENGLISH
+    # absolute as named, links kept: a line's relative path is relative to the folder the user named (a
+    # link's, as NeMo reads it), not to the folder of the file a link points to
     manifests = {
-        f"{which}_manifest": str(Path(path).resolve()) if path else None
+        f"{which}_manifest": os.path.abspath(path) if path else None
         for which, path in (("train", args.train_manifest), ("test", args.test_manifest))
     }
     return TrainConfig(
