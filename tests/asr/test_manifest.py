@@ -653,7 +653,7 @@ def test_a_silent_recording_is_trained_on_with_a_warning(manifests, tmp_path, ca
     warned = capsys.readouterr().err.splitlines()
     assert warned == [
         f"tandem train: warning: {silent} (manifest line 2): a silent recording (peak amplitude 0), "
-        "trained on as it is; take it out of the manifest for your next run"
+        "used as it is; take it out of the manifest for your next run"  # a test recording is not trained on
     ]
     assert data.render(plan[0]).abs().max() > 0.01 and capsys.readouterr().err == ""
     # what is not silence stays an error: NaN samples (a float WAV) end the run naming the line

@@ -14,7 +14,7 @@ JSON, a missing key, empty text, characters outside the alphabet, a missing or u
 cut short, a sample rate outside 1 kHz-768 kHz, a recording of no samples, an ``offset`` or ``duration``
 that is no number of seconds, reaches past the file's end or holds no sample, or audio too short for its
 transcript under CTC (fewer output frames than the labels need). It reads each file's header, not its
-samples: a silent recording is found when training reads it, and trained on as it is with a warning
+samples: a silent recording is found when training reads it, and used as it is with a warning
 (:meth:`ManifestSet.render`).
 """
 
@@ -335,8 +335,9 @@ class ManifestSet:
         return utterances
 
     def render(self, utterance: ManifestUtterance) -> Tensor:
-        """The recording at the model's rate. A silent one (the check reads no samples) is trained on as
-        it is, with a warning the first time this process reads it: one file must not end a long run."""
+        """The recording at the model's rate. A silent one (the check reads no samples) is used as it is
+        (trained or tested on), with a warning the first time this process reads it: one file must not end
+        a long run."""
         entry = self.entries[utterance.index]
         try:
             waveform, rate = read_audio(entry.path, silent_ok=True, start=entry.start, frames=entry.frames)
@@ -350,12 +351,11 @@ class ManifestSet:
         peak = float(audio.abs().max())
         if half_range(audio) <= SILENCE_PEAK and entry.path not in _WARNED_SILENT:  # read_audio's rule
             _WARNED_SILENT.add(entry.path)
-            print(
+            # through tqdm: on a line of its own, not after a progress bar of this process
+            tqdm.write(
                 f"tandem train: warning: {entry.path} ({self.name} line {entry.line}): a silent recording "
-                f"(peak amplitude {peak:.3g}), trained on as it is; take it out of the manifest for your "
-                "next run",
+                f"(peak amplitude {peak:.3g}), used as it is; take it out of the manifest for your next run",
                 file=sys.stderr,
-                flush=True,
             )
         return audio
 
