@@ -175,8 +175,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
     launch.add_argument("--nnodes", type=positive_int, default=1, help="torchrun: machines (default: 1)")
     launch.add_argument("--node-rank", type=int, default=0, help="torchrun: this machine's rank")
-    launch.add_argument("--master-addr", default="127.0.0.1", help="torchrun: rank 0's address")
-    launch.add_argument("--master-port", type=port, default=29500, help="torchrun: rank 0's port")
+    launch.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="multi-node: node 0's address (one node's processes meet on a free local port, as torchrun "
+        "--standalone's, and need neither this nor --master-port)",
+    )
+    launch.add_argument("--master-port", type=port, default=29500, help="multi-node: node 0's port")
     launch.add_argument("--timeout", type=seconds, default=60.0, help="collective timeout, s (default: 60)")
     launch.add_argument(
         "--threads",
