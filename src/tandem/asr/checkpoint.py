@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointVersionError",
     "CheckpointStore",
     "CheckpointWriteError",
+    "write_run_files",
     "atomic_write",
     "save_checkpoint",
     "load_checkpoint",
@@ -113,6 +114,24 @@ def not_written(path: Path, error: BaseException, size: int | None = None) -> st
         free = "its folder unreadable"
     need = f" for ~{size / 2**20:.1f} MiB of tensors" if size else ""
     return f"{path}: not written ({reason}); {free}{need}"
+
+
+def write_run_files(out: Path, metrics: str, plot: Callable[[Path], bool], written: list[str]) -> str | None:
+    """A finished run's files in ``out``: ``metrics.json`` (the text ``metrics``), then
+    ``training_curve.png`` where ``plot(path)`` draws one. Appends to ``written`` the names written;
+    returns None, or the error line of the first file that could not be written (a full disk), which
+    also names what the run wrote."""
+    name = "metrics.json"
+    try:
+        atomic_write(lambda tmp: tmp.write_text(metrics + "\n"), out / name)
+        written.append(name)
+        name = "training_curve.png"
+        if plot(out / name):
+            written.append(name)
+    except OSError as e:
+        done = f"wrote {', '.join(written)} to {out}" if written else "wrote nothing more"
+        return f"tandem train: error: {not_written(out / name, e)}; the run is done and {done}"
+    return None
 
 
 def read_checkpoint_file(path: str | Path, map_location: str | torch.device = "cpu") -> Any:

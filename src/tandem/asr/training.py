@@ -40,7 +40,7 @@ from tandem.asr.checkpoint import (
     CheckpointVersionError,
     CheckpointWriteError,
     atomic_write,
-    not_written,
+    write_run_files,
 )
 from tandem.asr.corpus import Recordings, load_spoken_digits
 from tandem.asr.decode import greedy_decode
@@ -1136,21 +1136,15 @@ def _train(
             "tandem_version": tandem.__version__,
             "torch_version": torch.__version__,
         }
-        text = json.dumps(metrics, indent=2)
-        name = "metrics.json"
-        try:
-            atomic_write(lambda tmp: tmp.write_text(text + "\n"), out / name)
-            written.append(name)
-            name = "training_curve.png"
-            if run.history and _plot(run.history, out / name):
-                written.append(name)
-        except OSError as e:  # rank 0 alone, after the last collective: the others have ended
-            print(
-                f"tandem train: error: {not_written(out / name, e)}; the run is done and "
-                + (f"wrote {', '.join(written)} to {out}" if written else "wrote nothing more"),
-                file=sys.stderr,
-                flush=True,
-            )
+        # rank 0 alone, after the last collective: the others have ended
+        error = write_run_files(
+            out,
+            json.dumps(metrics, indent=2),
+            lambda path: bool(run.history) and _plot(run.history, path),
+            written,
+        )
+        if error:
+            print(error, file=sys.stderr, flush=True)
             return 1
         if board.writer is not None:
             written.append("TensorBoard events")

@@ -27,6 +27,7 @@ from tandem.asr.checkpoint import (
     atomic_write,
     not_written,
     read_checkpoint_file,
+    write_run_files,
 )
 from tandem.asr.distributed import Group, pick_device, pin_to_cores, rank_threads
 from tandem.asr.interrupt import collective_exit, die_with_torchrun
@@ -298,21 +299,15 @@ def _train(args: argparse.Namespace, device: torch.device, group: Group, threads
             "tandem_version": tandem.__version__,
             "torch_version": torch.__version__,
         }
-        text = json.dumps(metrics, indent=2)
         written = ["checkpoint.pt"] if start_epoch < args.epochs else []  # an epoch ran: it wrote one
-        name = "metrics.json"
-        try:
-            atomic_write(lambda tmp: tmp.write_text(text + "\n"), args.out / name)
-            written.append(name)
-            name = "training_curve.png"
-            if history and _plot(history, args.out / name):
-                written.append(name)
-        except OSError as e:  # rank 0 alone, after the last collective: the others have ended
-            _error(
-                lead,
-                f"{not_written(args.out / name, e)}; the run is done and "
-                + (f"wrote {', '.join(written)} to {args.out}" if written else "wrote nothing more"),
-            )
+        error = write_run_files(
+            args.out,
+            json.dumps(metrics, indent=2),
+            lambda path: bool(history) and _plot(history, path),
+            written,
+        )
+        if error:  # rank 0 alone, after the last collective: the others have ended
+            print(error, file=sys.stderr, flush=True)
             return 1
         accuracy = f"{metrics['test_accuracy']:.4f}" if history else "n/a"
         print(
