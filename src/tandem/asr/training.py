@@ -385,7 +385,8 @@ class Run:
         self.epoch = self.position = self.step = 0
         self.epoch_loss = self.epoch_count = 0.0
         # steps of the whole run: every epoch has (nearly) as many batches as the first
-        self.total_steps = config.epochs * len(self.batches_of(0))
+        self._batch_counts: dict[int, int] = {}
+        self.total_steps = config.epochs * self.batch_count(0)
         self.history: list[dict[str, Any]] = []
         self.seconds_before = 0.0
         # when the current epoch began, on this process's clock (set by the loop; a resumed epoch's start
@@ -439,9 +440,14 @@ class Run:
         if "rng" in state:
             _set_rng_state(state["rng"])
 
-    def batches_of(self, epoch: int) -> list[list[Utterance]]:
-        """The global batches of ``epoch``, in order: a function of the seed and the epoch alone."""
-        return epoch_batches(self.train_set, self.config, epoch, self.group.world)
+    def batch_count(self, epoch: int) -> int:
+        """How many global batches ``epoch`` has (:func:`epoch_batches`, a function of the seed and the
+        epoch alone), drawn once a process: an epoch's plan takes 20-40 ms (the digits'), which the loop
+        paid again at every epoch's start."""
+        if epoch not in self._batch_counts:
+            batches = epoch_batches(self.train_set, self.config, epoch, self.group.world)
+            self._batch_counts[epoch] = len(batches)
+        return self._batch_counts[epoch]
 
     # ---- steps
     def learning_rate(self) -> float:
@@ -466,7 +472,7 @@ class Run:
         steps = [
             (epoch, position)
             for epoch in range(self.epoch, self.config.epochs)
-            for position in range(self.position if epoch == self.epoch else 0, len(self.batches_of(epoch)))
+            for position in range(self.position if epoch == self.epoch else 0, self.batch_count(epoch))
         ]
         shares = _Shares(self, steps)
         if workers == 0:
@@ -530,7 +536,7 @@ class Run:
     def train_epoch(self, progress: bool = False) -> tuple[float, int]:
         """The rest of the current epoch's steps (no checkpoints, no stopping: the benchmark's loop);
         returns the summed per-utterance loss and the utterances of all ranks."""
-        count = len(self.batches_of(self.epoch))
+        count = self.batch_count(self.epoch)
         bar = tqdm(
             total=count, initial=self.position, desc=f"epoch {self.epoch + 1}/{self.config.epochs}",
             unit="batch", leave=False, disable=not progress,
@@ -1013,7 +1019,7 @@ def _train(
         while run.epoch < config.epochs and not stopped:
             run.epoch_started = time.perf_counter() - run.epoch_seconds_before
             run.epoch_seconds_before = 0.0  # (a resumed epoch's, once)
-            count = len(run.batches_of(run.epoch))
+            count = run.batch_count(run.epoch)
             bar = tqdm(
                 total=count, initial=run.position, desc=f"epoch {run.epoch + 1}/{config.epochs}",
                 unit="batch", leave=False, disable=not lead,
