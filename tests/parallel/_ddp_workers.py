@@ -97,6 +97,22 @@ class Branchy(torch.nn.Module):
         return out + self.c(h) if use_c else out
 
 
+class Heads(torch.nn.Module):
+    """``b`` is used only when asked; registered before ``c``, so its bucket comes after c's, which goes
+    out while b's waits."""
+
+    def __init__(self, seed: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(6, 8).double()
+        self.b = torch.nn.Linear(8, 3).double()
+        self.c = torch.nn.Linear(8, 3).double()
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.c(h) + self.b(h) if use_b else self.c(h)
+
+
 class Ordered(torch.nn.Module):
     """Parameters registered in the opposite order of their use: the initial buckets are wrong."""
 
@@ -373,15 +389,29 @@ def _check_unused(rank: int, world: int) -> dict[str, Any]:
             _unused_schedule(m_t, ours, rank, world),
             _unused_schedule(m_d, theirs, rank, world),
         )
-    # Without find_unused_parameters an unused parameter is an error at the end of backward, on every rank.
-    m = Branchy()
-    ddp = TandemDDP(m, timeout=CHECK_TIMEOUT_S)
-    x, y = batch(0, world)
-    try:
-        loss_fn(ddp(local(x, rank, world), False), local(y, rank, world)).backward()
-        out["unused_error"] = None
-    except RuntimeError as e:
-        out["unused_error"] = str(e)
+    # Without find_unused_parameters an unused parameter is an error at the end of backward, on every rank;
+    # a bucket per parameter, so that some were sent before it: their all-reduces may not complete into the
+    # next steps (a loop that skips the failed batch and goes on got wrong gradients), which raise instead,
+    # as torch's (it raises at the next forward).
+    m, alone = Heads(), Heads()
+    ddp = TandemDDP(m, bucket_cap_mb=ONE_BYTE_MB, timeout=CHECK_TIMEOUT_S)
+    steps: list[Any] = []
+    for step in range(3):
+        x, y = (local(t, rank, world) for t in batch(step, world))
+        m.zero_grad(set_to_none=True)
+        try:
+            loss_fn(ddp(x, step > 0), y).backward()
+        except RuntimeError as e:
+            steps.append(str(e))
+            continue
+        alone.zero_grad()
+        loss_fn(alone(x, True), y).backward()
+        expected = [p.grad / world for p in alone.parameters()]
+        for g in expected:
+            dist.all_reduce(g)
+        got = [p.grad for p in m.parameters()]
+        steps.append(all(torch.allclose(a, b) for a, b in zip(got, expected)))
+    out["unused_error"], out["after_unused_error"] = steps[0], steps[1:]
     return out
 
 

@@ -1251,6 +1251,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             if not self._find_unused:
                 names = ", ".join(repr(self._names[i]) for i in missing[:10])
                 more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+                # buckets sent before this must not complete into the next step's .grad (a loop that skips
+                # the batch and goes on): as torch's reducer, every later synchronised forward raises
+                self._settle_unfinished()
                 raise RuntimeError(
                     f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in this "
                     f"backward: {names}{more}. Pass find_unused_parameters=True to DistributedDataParallel "
