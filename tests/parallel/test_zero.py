@@ -294,6 +294,19 @@ def test_one_rank_a_model_made_channels_last_after_the_optimizer_trains_as_torch
     assert_params(w.params(ours), w.params(theirs), **TIGHT)
 
 
+def test_one_rank_maximize_steps_as_torchs(one_rank):
+    """maximize=True, in one group of two: the update goes up the gradient, as torch's (every other test
+    steps with False, so an update that ignored it passed them)."""
+    trained = []
+    for cls in (ZeroAdagrad, torch.optim.Adagrad):
+        m = w.model()
+        first, second = w.groups(m)
+        second["maximize"] = True
+        w.train(m, cls([first, second], **w.HYPER), range(w.STEPS), 1, None)
+        trained.append(w.params(m))
+    assert_params(trained[0], trained[1], **TIGHT)
+
+
 def test_state_dict_has_the_groups_as_they_are_now_as_torchs(one_rank):
     saved = []
     for cls in (ZeroAdagrad, torch.optim.Adagrad):
