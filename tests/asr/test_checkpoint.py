@@ -64,12 +64,52 @@ def test_a_model_with_non_finite_weights_is_refused_naming_the_weight(tmp_path):
     """Training never writes one; a checkpoint that holds one (edited, or written by other code) made every
     transcript empty."""
     path = tmp_path / "checkpoint.pt"
-    model = {"w": torch.ones(3), "head.bias": torch.tensor([0.0, float("nan")]), "steps": torch.tensor(3)}
-    save_checkpoint({"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": model}, path)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        model = {"w": torch.ones(3), "head.bias": torch.tensor([0.0, bad]), "steps": torch.tensor(3)}
+        save_checkpoint({"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": model}, path)
+        with pytest.raises(
+            CheckpointError, match=r"checkpoint.pt: the model's head.bias holds NaN or infinite values$"
+        ):
+            load_checkpoint(path)
+
+
+def test_a_checkpoint_missing_a_part_is_refused_naming_what_is_missing(tmp_path):
+    """Without the model (or the alphabet, the configurations) it is no recognizer: a CheckpointError
+    naming the file and the parts, not a KeyError where a part is first used."""
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"format": "tandem.asr.recognizer", "version": 1, "alphabet": "ab", "model_config": {}}, path)
     with pytest.raises(
-        CheckpointError, match=r"checkpoint.pt: the model's head.bias holds NaN or infinite values$"
+        CheckpointError, match=r"checkpoint.pt: incomplete checkpoint, missing \['feature_config', 'model'\]"
     ):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("damaged", ["checkpoint.pt", "none", "no-checkpoint.pt"])
+def test_latest_is_the_newest_readable_checkpoint_of_those_kept(tmp_path, damaged):
+    """With checkpoint.pt unreadable (a bad disk), the newest numbered one that reads, not the oldest
+    (a resume that went back further than it needed to); with it whole, it alone, nothing skipped;
+    without it (deleted by hand), the newest numbered one, and no file said skipped."""
+    store = CheckpointStore(tmp_path, keep=4)
+    state = {"model_config": {}, "feature_config": {}, "alphabet": "ab", "model": {}, "step": 0}
+    for step in (5, 10, 15, 20):
+        store.save({**state, "step": step}, step)
+    if damaged == "checkpoint.pt":
+        store.path.unlink()  # a link to checkpoint-00000020.pt: that one stays whole
+        store.path.write_bytes(b"garbage")
+        (tmp_path / "checkpoint-00000020.pt").write_bytes(b"garbage too")
+    if damaged == "no-checkpoint.pt":
+        store.path.unlink()
+    loaded, path, skipped = store.latest()
+    if damaged == "no-checkpoint.pt":
+        assert loaded["step"] == 20 and path.name == "checkpoint-00000020.pt" and skipped == []
+    elif damaged == "checkpoint.pt":
+        assert loaded["step"] == 15 and path.name == "checkpoint-00000015.pt"
+        assert [s.split(":")[0] for s in skipped] == [
+            str(store.path),
+            str(tmp_path / "checkpoint-00000020.pt"),
+        ]
+    else:
+        assert loaded["step"] == 20 and path == store.path and skipped == []
 
 
 def test_a_pipe_or_device_is_named_as_such_not_as_missing(tmp_path):
