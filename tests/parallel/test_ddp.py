@@ -769,6 +769,30 @@ def test_bucket_assignment():
     assert bucket_assignment([0, 1, 2, 3], ps, caps=[10**9]) == [[0, 1, 3], [2]]
 
 
+def test_bucket_assignment_cuts_the_buckets_torchs_reducer_cuts():
+    """Which parameters share a bucket, against torch's own assignment (its reducer's, by size, a cap per
+    (device, dtype) for its first bucket then the next caps): random sizes, dtypes, orders and caps, some
+    reached exactly. Bucket-wise hooks (PowerSGD) see the same buckets as under torch's DDP. The order of
+    the buckets is tandem's (the order they fill in), so they are compared as sets."""
+    from tandem.parallel.buckets import bucket_assignment
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        dtypes = [torch.float32, torch.float64, torch.float16]
+        ps = [
+            torch.zeros(int(rng.choice([1, 10, 25, 50, 100])), dtype=dtypes[rng.integers(3)])
+            for _ in range(n)
+        ]
+        order = [int(i) for i in rng.permutation(n)]
+        caps = [int(c) for c in rng.choice([0, 40, 100, 200, 400, 1000], size=int(rng.integers(1, 4)))]
+        theirs, _ = torch.distributed._compute_bucket_assignment_by_size(
+            [ps[i] for i in order], caps, [False] * n, list(range(n))
+        )
+        ours = bucket_assignment(order, ps, caps)
+        assert sorted(ours) == sorted([order[j] for j in b] for b in theirs), (order, caps)
+
+
 def test_create_graph_warns_that_the_higher_order_gradient_is_not_synchronised(one_rank):
     """torch's reducer warns so; tandem's ran the second backward through this rank's graphs in silence."""
     ddp = tandem.parallel.DistributedDataParallel(w.mlp())
