@@ -79,6 +79,17 @@ def test_error_rates_count_exact_utterances_and_add():
         error_rates(["a"], [])
 
 
+def test_error_rates_read_words_between_any_whitespace():
+    """Greedy CTC output can start or end on a space, or hold two: the words and the single spaces between
+    them are what count, so an utterance with the right words is right, and the characters' reference
+    length is that of the single-spaced words."""
+    refs, hyps = [" four  seven two ", "one", "nine\teight"], ["four seven two", " one ", "nine  eigh "]
+    ours = error_rates(refs, hyps)
+    tidy = error_rates([" ".join(r.split()) for r in refs], [" ".join(h.split()) for h in hyps])
+    assert ours == tidy and ours.exact == 2 and ours.chars == len("four seven two") + 3 + len("nine eight")
+    assert ours.char_edits == 1 and ours.word_edits == 1
+
+
 def test_edit_distance():
     assert (
         edit_distance("kitten", "sitting") == 3
