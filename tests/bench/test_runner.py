@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import io
 from pathlib import Path
@@ -183,6 +184,29 @@ def test_csv_header_columns_and_append(tmp_path):
     records = list(csv.DictReader(path.open(newline="")))
     assert records[1]["provider"] == "tandem" and float(records[1]["p50_ms"]) == 1.0
     assert records[1]["device"] == "cpu (1 thread, x)"  # the comma inside is quoted
+
+
+def test_csv_keeps_times_to_ten_nanoseconds():
+    """A fast kernel's times: rounded to 10 ns (5 decimals of a millisecond), not to 0.0 ms."""
+    row = dataclasses.replace(_rows()[1], p50_ms=0.0123456, p20_ms=0.0098765, p80_ms=12.3456789)
+    record = row.csv_record()
+    assert (record["p50_ms"], record["p20_ms"], record["p80_ms"]) == (0.01235, 0.00988, 12.34568)
+
+
+def test_cuda_timing_reads_do_benchs_quantiles_in_the_order_it_asked_them(monkeypatch):
+    """On CUDA, Triton's do_bench returns the quantiles in the order asked: (p20, p50, p80) come back
+    sorted as their names say (no GPU needed: do_bench is stood in for)."""
+    testing = pytest.importorskip("triton.testing")
+    asked = []
+
+    def do_bench(thunk, warmup, rep, quantiles):
+        asked.append(quantiles)
+        return [100.0 * q for q in quantiles]
+
+    monkeypatch.setattr(testing, "do_bench", do_bench)
+    timing = runner._Timing(min_time=0.01, warmup=0.01, rounds=1)
+    assert runner._time_cuda(lambda: None, torch.device("cuda"), timing) == (20.0, 50.0, 80.0)
+    assert len(asked) == 1
 
 
 def test_csv_appends_after_a_last_line_without_its_newline(tmp_path):
