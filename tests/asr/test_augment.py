@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from tandem.asr.augment import _SPEED_ORIG, Augmentation
+from tandem.asr.batch import collate
 from tandem.asr.corpus import load_spoken_digits
 from tandem.asr.distributed import Group
+from tandem.asr.features import FeatureConfig, LogMel
 from tandem.asr.generator import ConnectedDigits, split_recordings
 from tandem.asr.model import ModelConfig
+from tandem.asr.text import ENGLISH
 from tandem.asr.training import DataSets, Run, TrainConfig
 
 RATE = 8000
@@ -100,6 +103,81 @@ def test_none_changes_nothing():
     assert torch.equal(none.waveform(audio, torch.Generator().manual_seed(0)), audio)
     before = features.clone()
     assert torch.equal(none.features(features, 120, torch.Generator().manual_seed(0), 100.0), before)
+
+
+def _noise(seconds: float, seed: int) -> torch.Tensor:
+    """White noise: its log-mel frames are all different, so a frame of zeros is a time mask's."""
+    return 0.1 * torch.randn(int(RATE * seconds), generator=torch.Generator().manual_seed(seed))
+
+
+def _masked_frames(features: torch.Tensor) -> torch.Tensor:
+    """``[T]``: the frames of ``features`` ``[T, F]`` set to 0 in every band."""
+    return (features == 0).all(dim=1)
+
+
+def test_an_utterances_augmentation_does_not_depend_on_its_batch():
+    """collate draws an utterance's speed, noise and masks from its own seed alone, and places its time
+    masks by its own frames, not the batch's padded length: a short utterance after a long one is
+    augmented as it is alone (so its masks stay in its frames, at its own count and widths)."""
+    logmel = LogMel(FeatureConfig())
+    augment = Augmentation(time_masks=5.0)  # many masks a second: a wrong length changes their count
+    short, long = _noise(0.6, 1), _noise(3.0, 2)
+    masked = 0
+    for seed in range(12):
+        alone = collate([short], ["one"], logmel, ENGLISH, augment, [seed])
+        batch = collate([long, short], ["two", "one"], logmel, ENGLISH, augment, [seed + 100, seed])
+        n = int(alone.frames[0])
+        assert int(batch.frames[1]) == n < batch.features.shape[1]  # padded
+        assert torch.equal(_masked_frames(batch.features[1, :n]), _masked_frames(alone.features[0]))
+        torch.testing.assert_close(batch.features[1, :n], alone.features[0])
+        assert torch.equal(batch.features[1, n:], torch.zeros_like(batch.features[1, n:]))
+        masked += int(_masked_frames(alone.features[0]).sum())
+    assert masked > 0  # the masks are compared, not only their absence
+
+
+def test_each_utterance_draws_from_its_own_seed():
+    """Two utterances of a batch with the same seed are augmented alike, with different seeds differently
+    (speed, noise and masks are drawn per utterance, not once for the batch)."""
+    logmel, augment, audio = LogMel(FeatureConfig()), Augmentation(), _noise(1.0, 3)
+    different = 0
+    for seed in range(6):
+        same = collate([audio, audio], ["one"] * 2, logmel, ENGLISH, augment, [seed, seed])
+        assert torch.equal(same.frames[0], same.frames[1])
+        assert torch.equal(same.features[0], same.features[1])
+        other = collate([audio, audio], ["one"] * 2, logmel, ENGLISH, augment, [seed, seed + 50])
+        different += not torch.equal(other.frames[0], other.frames[1]) or not torch.equal(
+            other.features[0], other.features[1]
+        )
+    assert different == 6
+
+
+@pytest.mark.parametrize("window_ms, hop_ms", [(25.0, 10.0), (20.0, 5.0)])
+def test_collate_places_time_masks_per_second_of_audio_at_the_feature_hop(window_ms, hop_ms):
+    """``time_masks`` is masks per second of audio: collate converts frames to seconds at the features'
+    hop (frames a second = 1000 / hop_ms), whatever the window's length."""
+    logmel = LogMel(FeatureConfig(window_ms=window_ms, hop_ms=hop_ms))
+    masks = Augmentation(speed=False, noise_p=0.0, freq_masks=0, time_masks=1.0, time_width=8)
+    seconds, per_utterance = 3.0, []
+    for seed in range(40):
+        batch = collate([_noise(seconds, seed)], ["one"], logmel, ENGLISH, masks, [seed])
+        assert int(batch.frames[0]) == batch.features.shape[1]
+        per_utterance.append(int(_masked_frames(batch.features[0]).sum()))
+        assert per_utterance[-1] <= (int(seconds) + 1) * 8  # up to 3 + 1 masks, each up to 8 frames
+    # one mask a second, 4 frames wide on average (0 to 8, a little less where two overlap)
+    assert 2.5 <= sum(per_utterance) / len(per_utterance) / seconds <= 5.5
+
+
+def test_the_batch_transcripts_are_the_normalised_text_its_targets_encode():
+    """A batch's transcripts (the references evaluation scores against) are normalised as its CTC targets
+    are: lower case, one space between words, none at the ends, whatever the caller's data set gave."""
+    logmel = LogMel(FeatureConfig())
+    audio = [_noise(0.5, 4), _noise(0.7, 5)]
+    for augmentation, seeds in ((None, None), (Augmentation(), [0, 1])):
+        batch = collate(audio, ["  Four\tTWO ", "nine"], logmel, ENGLISH, augmentation, seeds)
+        assert batch.transcripts == ["four two", "nine"]
+        ends = batch.target_lengths.cumsum(0).tolist()
+        decoded = [ENGLISH.decode(batch.targets[e - n : e]) for e, n in zip(ends, batch.target_lengths)]
+        assert decoded == batch.transcripts
 
 
 def _run(augment: bool, monkeypatch) -> Run:
