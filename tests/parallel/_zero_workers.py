@@ -466,6 +466,19 @@ def _check_refusals(rank: int, world: int) -> dict[str, Any]:
         "version_kept": m[0].weight._version == version,
         "backward": _raises(lambda: kept.sum().backward()),
     }
+    # the same for a channels_last weight, which steps through a contiguous copy: one without a gradient
+    # is not copied back
+    m = conv().to(memory_format=torch.channels_last)
+    opt = ZeroAdagrad(m.parameters(), **HYPER, timeout=TIMEOUT_S)
+    m.weight.requires_grad_(False)
+    kept = m(conv_batch(0).requires_grad_())
+    kept.sum().backward(retain_graph=True)
+    version = m.weight._version
+    opt.step()
+    out["frozen_channels_last"] = {
+        "version_kept": m.weight._version == version,
+        "backward": _raises(lambda: kept.sum().backward()),
+    }
     return out
 
 

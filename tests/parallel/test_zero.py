@@ -274,6 +274,7 @@ def test_refusals_raise_on_every_rank_before_anything_moves(group):
         assert not refused["moved"]
         assert res["bad_step_loaded"]["lr"] == 0.1
         assert res["frozen"] == {"version_kept": True, "backward": "no error"}
+        assert res["frozen_channels_last"] == {"version_kept": True, "backward": "no error"}
 
 
 # ----------------------------------------------------------------------------------------------
