@@ -487,15 +487,16 @@ def test_a_device_the_recognizer_cannot_run_on_is_a_value_error_naming_it(checkp
 class _SaysLoud(torch.nn.Module):
     """A stand-in for the acoustic model: 'a' at output frames whose input frames are loud (mean feature
     above 0: the features are normalised per utterance, the quiet below its mean, a burst above), the blank
-    elsewhere. Records the input frames of every utterance it is given."""
+    elsewhere. Records the input frames of every utterance it is given (``calls``), and of every batch."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.config, self.calls = config, []
+        self.config, self.calls, self.batches = config, [], []
         self.anchor = torch.nn.Parameter(torch.zeros(()))  # a device to be on
 
     def forward(self, features: torch.Tensor, frames: torch.Tensor):
         self.calls += frames.tolist()
+        self.batches.append(frames.tolist())
         stride = int(np.prod(self.config.conv_time_strides))
         out = self.config.output_frames(frames)
         loud = features.mean(-1) > 0.0  # [B, T]
@@ -606,3 +607,175 @@ def test_a_recording_that_starts_on_its_first_word_is_padded_and_transcribed_aga
     stub.calls.clear()
     rec.fit_edges = False
     assert rec.transcribe(bare, 8000) == "a" and stub.calls == [int(FeatureConfig().frames(len(bare)))]
+
+
+def _loud_frames(audio: torch.Tensor) -> list[int]:
+    """The output frames at which ``_SaysLoud`` says 'a' on ``audio`` as it is, computed by hand."""
+    features, _ = LogMel()(audio[None], torch.tensor([len(audio)]))
+    return sorted({int(t) // 4 for t in (features[0].mean(-1) > 0.0).nonzero().flatten()})
+
+
+def _frames(*samples: int) -> list[int]:
+    return [int(FeatureConfig().frames(n)) for n in samples]
+
+
+def test_speech_in_the_second_output_frame_is_padded_too(checkpoint):
+    """SPEECH_AT_START_MS is 60 ms, an output frame 40 ms: a first word at output frame 1 (40-80 ms in)
+    is padded and transcribed again, as one at frame 0; one at frame 2 (80 ms) is left as it is."""
+    rec = Recognizer.from_checkpoint(checkpoint)
+    stub = rec.model = _SaysLoud(rec.model.config)
+    second, third = _burst(0.07, 0.05), _burst(0.1, 0.05)
+    assert _loud_frames(second)[0] == 1 and _loud_frames(third)[0] == 2
+    assert rec.transcribe(second, 8000) == "a"
+    assert stub.calls == _frames(len(second), len(second) + 2 * 1200)
+    stub.calls.clear()
+    assert rec.transcribe(third, 8000) == "a" and stub.calls == _frames(len(third))
+
+
+def test_padding_a_recording_does_not_depend_on_its_batch_mates(checkpoint):
+    """A recording that starts on its first word is padded whether or not a recording batched with it
+    had its edges cut (a transcript must not depend on what it is batched with): the model sees the same
+    passes over each recording in a batch as over each alone."""
+    rec = Recognizer.from_checkpoint(checkpoint)
+    stub = rec.model = _SaysLoud(rec.model.config)
+    bare, long = _burst(0.0, 0.05), _burst(1.5, 2.0)
+    alone = {}
+    for name, audio in (("bare", bare), ("long", long)):
+        stub.calls.clear()
+        assert rec.transcribe(audio, 8000) == "a"
+        alone[name] = list(stub.calls)
+    assert alone["bare"] == _frames(len(bare), len(bare) + 2 * 1200)  # padded
+    assert len(alone["long"]) >= 2  # cut
+    for batch in ([bare, long], [long, bare]):
+        stub.calls.clear()
+        assert rec.transcribe_batch(batch, 8000) == ["a", "a"]
+        assert sorted(stub.calls) == sorted(alone["bare"] + alone["long"])
+
+
+@pytest.mark.parametrize(
+    "before_s, after_s, cut",
+    [(0.35, 0.05, False), (0.4, 0.05, True), (0.35, 0.6, True)],
+    ids=["70ms-left", "110ms-cut", "both-edges-cut"],
+)
+def test_edges_are_cut_only_where_that_removes_at_least_min_cut_ms(checkpoint, before_s, after_s, cut):
+    """A recording whose edges hold a little more than EDGE_KEPT_MS is left as it is (one pass) where the
+    cut would remove less than MIN_CUT_MS (800 samples at 8 kHz), both edges together; cut where it would
+    remove that much."""
+    rec = Recognizer.from_checkpoint(checkpoint)
+    stub = rec.model = _SaysLoud(rec.model.config)
+    audio = _burst(before_s, after_s)
+    spoken = _loud_frames(audio)
+    start, end = spoken[0] * 320 - 2000, min(len(audio), (spoken[-1] + 1) * 320 + 200 - 80 + 4000)
+    removed = len(audio) - (end - start)
+    assert start > 0 and (removed >= 800) == cut, (start, end, removed)
+    assert rec.transcribe(audio, 8000) == "a"
+    assert stub.calls[:2] == (_frames(len(audio), end - start) if cut else _frames(len(audio)))
+
+
+@pytest.mark.parametrize("gap_s, cut", [(0.64, False), (0.72, True)], ids=["35ms-left", "115ms-cut"])
+def test_a_silence_between_words_is_cut_only_where_that_removes_at_least_min_cut_ms(checkpoint, gap_s, cut):
+    """Between two letters, a silence a little longer than INNER_KEPT_MS together is left as it is where
+    cutting it to them would remove less than MIN_CUT_MS; cut where that removes at least MIN_CUT_MS."""
+    rec = Recognizer.from_checkpoint(checkpoint)
+    stub = rec.model = _SaysLoud(rec.model.config)
+    g = torch.Generator().manual_seed(0)
+    quiet = lambda s: 1e-3 * torch.randn(round(s * 8000), generator=g)  # noqa: E731
+    loud = lambda: 0.3 * torch.randn(3200, generator=g)  # noqa: E731
+    audio = torch.cat([quiet(0.15), loud(), quiet(gap_s), loud(), quiet(0.05)])  # edges too short to cut
+    spoken = _loud_frames(audio)
+    a, b = next((x, y) for x, y in zip(spoken, spoken[1:]) if y - x > 1)
+    hole = (a + 1) * 320 + 200 - 80 + 350 * 8, b * 320 - 200 * 8
+    assert hole[1] - hole[0] > 0 and (hole[1] - hole[0] >= 800) == cut, hole
+    assert rec.transcribe(audio, 8000) == "aa"
+    assert stub.calls == (
+        _frames(len(audio), len(audio) - (hole[1] - hole[0])) if cut else _frames(len(audio))
+    )
+
+
+class _SaysLoudWithSpace(_SaysLoud):
+    """``_SaysLoud``, and a space at the output frame halfway between its first and last 'a', where that
+    frame is blank (a space in the pause between two words)."""
+
+    def forward(self, features: torch.Tensor, frames: torch.Tensor):
+        scores, out = super().forward(features, frames)
+        best = scores.argmax(-1)  # [T', B]
+        for b in range(len(frames)):
+            said = best[: int(out[b]), b].nonzero().flatten()
+            middle = (int(said[0]) + int(said[-1])) // 2 if len(said) else 0
+            if len(said) and best[middle, b] == 0:
+                scores[middle, b, ENGLISH.characters.index(" ") + 1] = 3.0
+        return scores, out
+
+
+def test_a_space_inside_a_long_silence_does_not_split_it(checkpoint):
+    """A space is no letter: the silence between two words is cut between the letters around it, as one
+    silence, whether or not the model says a space in it."""
+    rec = Recognizer.from_checkpoint(checkpoint)
+    stub = rec.model = _SaysLoudWithSpace(rec.model.config)
+    g = torch.Generator().manual_seed(0)
+    quiet = lambda s: 1e-3 * torch.randn(round(s * 8000), generator=g)  # noqa: E731
+    loud = lambda: 0.3 * torch.randn(3200, generator=g)  # noqa: E731
+    audio = torch.cat([quiet(0.15), loud(), quiet(2.0), loud(), quiet(0.05)])
+    spoken = _loud_frames(audio)
+    a, b = next((x, y) for x, y in zip(spoken, spoken[1:]) if y - x > 1)
+    hole = (a + 1) * 320 + 200 - 80 + 350 * 8, b * 320 - 200 * 8
+    assert rec.transcribe(audio, 8000) == "a a"
+    assert stub.calls == _frames(len(audio), len(audio) - (hole[1] - hole[0]))
+
+
+def test_a_batch_holds_at_most_padded_samples_whatever_the_order_given(checkpoint, monkeypatch):
+    """Recordings are batched longest first, so a batch's padding (to its first recording) is what
+    PADDED_SAMPLES bounds: short recordings given before a long one are not batched with it beyond that."""
+    from tandem.asr import recognizer
+
+    rec = Recognizer.from_checkpoint(checkpoint, fit_edges=False)
+    stub = rec.model = _SaysLoud(rec.model.config)
+    audio = [_burst(0.15, 0.05 + 0.01 * k, seed=k) for k in range(3)] + [_burst(0.15, 2.0, seed=3)]
+    samples = {f: len(a) for f, a in zip(_frames(*map(len, audio)), audio)}
+    assert len(samples) == len(audio)
+    monkeypatch.setattr(recognizer, "PADDED_SAMPLES", 2 * len(audio[-1]))
+    assert rec.transcribe_batch(audio, 8000, batch_size=16) == ["a"] * 4
+    assert sorted(f for batch in stub.batches for f in batch) == sorted(samples)
+    for batch in stub.batches:
+        assert len(batch) * max(samples[f] for f in batch) <= 2 * len(audio[-1]), stub.batches
+
+
+def test_a_files_seconds_are_its_share_by_length_of_its_batchs_time(tmp_path, checkpoint, monkeypatch):
+    """A batch's time is shared among its files by length (the files' seconds add up to the time spent);
+    where the batch fails and its files are transcribed alone, each has its own time plus its share of
+    the failed attempt's. A clock that advances one second per forward pass and not otherwise."""
+    import types
+
+    from tandem.asr import recognizer
+
+    clock = [0.0]
+    monkeypatch.setattr(recognizer, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    rec = Recognizer.from_checkpoint(checkpoint, fit_edges=False)
+    stub = rec.model = _SaysLoud(rec.model.config)
+    forward = stub.forward
+    audio = [_burst(0.15, s, seed=k) for k, s in enumerate((0.05, 0.5, 1.0))]
+    files = [_write(tmp_path / f"{k}.wav", a.numpy(), 8000, "FLOAT") for k, a in enumerate(audio)]
+    share = [len(a) / sum(len(a) for a in audio) for a in audio]
+
+    def timed(features, frames):
+        clock[0] += 1.0
+        return forward(features, frames)
+
+    monkeypatch.setattr(stub, "forward", timed)
+    results = rec.transcribe_files(files, batch_size=3)
+    assert [r.text for r in results] == ["a"] * 3 and clock[0] == 1.0
+    assert [r.seconds for r in results] == pytest.approx(share)
+    assert sum(r.seconds for r in results) == pytest.approx(clock[0])
+
+    def out_of_memory_batched(features, frames):
+        clock[0] += 1.0
+        if len(frames) > 1:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 GB")
+        return forward(features, frames)
+
+    monkeypatch.setattr(stub, "forward", out_of_memory_batched)
+    clock[0] = 0.0
+    results = rec.transcribe_files(files, batch_size=3)
+    assert [r.text for r in results] == ["a"] * 3 and clock[0] == 4.0
+    assert [r.seconds for r in results] == pytest.approx([1.0 + s for s in share])
+    assert sum(r.seconds for r in results) == pytest.approx(clock[0])
