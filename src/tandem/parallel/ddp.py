@@ -307,9 +307,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             (``init_process_group(timeout=...)``; torch's default 30 minutes), which torch's DDP waits
             too; ``float('inf')`` sets no deadline. A dead or stuck rank makes the others raise within it
             instead of hanging (the process group is not usable afterwards: later forwards raise at
-            once). The wait is on the host, so
-            it bounds Gloo collectives; NCCL marks work done at enqueue, so there a hang falls to NCCL's
-            watchdog - not tested here.
+            once). The wait is on the host, so it bounds Gloo collectives; NCCL marks work done at
+            enqueue, so there a hang falls to NCCL's watchdog - not tested here.
 
     Example::
 
@@ -369,7 +368,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             )
         newer = {"batched_grad_copy": batched_grad_copy, "forward_sync_buffers": forward_sync_buffers}
         for name, given in newer.items():
-            if given is not _ABSENT and name not in _TORCH_DDP_ARGUMENTS:  # Python's words for torch's
+            if given is not _ABSENT and name not in _TORCH_DDP_ARGUMENTS:  # (Python's words)
                 raise TypeError(
                     f"DistributedDataParallel.__init__() got an unexpected keyword argument '{name}'"
                 )
