@@ -373,6 +373,21 @@ def test_a_real_pipe_into_a_spawned_tandem(setup):
     assert done.stderr.decode().splitlines() == ["tandem transcribe: error: gone.wav: no such file"]
 
 
+def test_a_reader_that_leaves_is_status_1_without_a_word(setup):
+    """``tandem transcribe ... | head -1``: the reader closes the pipe before the transcripts are written;
+    status 1 (not every transcript was delivered: under ``set -o pipefail`` a script must not take the
+    output for whole), no traceback, nothing on stderr."""
+    root, files, _ = setup
+    command = [sys.executable, "-m", "tandem", "transcribe", "--model", str(root / "checkpoint.pt"), *files]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    proc.stdout.close()  # before the model has loaded: the first transcript meets a closed pipe
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and err.decode() == ""
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_standard_output_that_fails_is_exit_2_in_one_line(setup):
     """``> /dev/full`` ended in a traceback, and ``>&-`` (stdout closed) in status 0 with every line
