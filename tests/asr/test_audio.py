@@ -337,6 +337,33 @@ def test_an_empty_data_chunk_followed_by_another_chunk_is_an_empty_recording(tmp
         assert (waveform.shape, rate) == ((1, 404), 8000) and read_header(path) == (404, 8000), case
 
 
+def test_a_chunk_of_odd_size_before_the_data_is_stepped_over_with_its_pad_byte(tmp_path):
+    """RIFF pads a chunk of odd size with one byte its size does not count: a LIST tag of odd size before
+    the data chunk (as taggers write them) is stepped over with it, so the data chunk is found; whole,
+    the file is read as soundfile reads it, and cut short it is refused as a truncated WAV (the data
+    chunk missed, it was read in part without a word)."""
+    from tandem.asr.audio import wav_truncation
+
+    fmt = (b"fmt ", struct.pack("<HHIIHH", 1, 1, 8000, 16000, 2, 16))  # PCM, mono, 8 kHz, 16-bit
+    name = b"Odd memo\0"  # 9 bytes: the tag's body is 4 + 4 + 4 + 9 = 21, padded to 22
+    tag = (b"LIST", b"INFO" + b"INAM" + struct.pack("<I", len(name)) + name)
+    assert len(tag[1]) % 2 == 1
+    pcm = (np.arange(1000) * 53 - 26000).astype("<i2")
+    whole = _riff(fmt, tag, (b"data", pcm.tobytes()))
+    path = tmp_path / "tagged.wav"
+    path.write_bytes(whole)
+    expected, _ = sf.read(path, dtype="float32", always_2d=True)
+    waveform, rate = read_audio(path)
+    assert rate == 8000 and waveform.shape == (1, 1000)
+    assert torch.equal(waveform, torch.from_numpy(expected.T.copy()))
+    assert wav_truncation(io.BytesIO(whole)) is None
+    cut = whole[: len(whole) - 500]
+    assert wav_truncation(io.BytesIO(cut)) == (2000, 1500)
+    for source in (cut, io.BytesIO(cut)):
+        with pytest.raises(AudioError, match="^cut: a truncated WAV file: its header announces 2000 bytes"):
+            read_audio(source, name="cut")
+
+
 def test_a_flac_whose_header_does_not_say_its_length_is_named_so(tmp_path):
     """A FLAC written into a pipe leaves STREAMINFO's total samples 0, which libsndfile counts as 2^63 - 1
     frames and cannot read to the end: 'not a readable audio file (array is too big ...)'. It is named

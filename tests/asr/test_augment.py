@@ -86,6 +86,23 @@ def test_spec_augment_masks_whole_bands_and_frames_within_their_widths():
     assert max(zero_frames) > 0
 
 
+@pytest.mark.parametrize("frames", [30, 50])
+def test_short_utterances_get_time_masks_sometimes_none_wider_than_a_tenth_of_them(frames):
+    """An utterance under a second (here 0.3 s or 0.5 s at 100 frames a second) has a time mask with the
+    chance of its fraction of a second (the count is rounded at random, not down to none), and no
+    mask wider than a tenth of its frames, however wide ``time_width`` allows."""
+    masks = Augmentation(freq_masks=0, time_masks=1.0, time_width=8)
+    counts = []
+    for seed in range(200):
+        features = torch.rand(frames, 40) + 1.0
+        masked = _masked_frames(masks.features(features, frames, torch.Generator().manual_seed(seed), 100.0))
+        assert int(masked.sum()) <= frames // 10, seed  # at most one mask, at most frames // 10 wide
+        counts.append(bool(masked.any()))
+    # a mask drawn 0 frames wide masks nothing: about frames / 100 x (1 - 1 / 9) of them show one
+    expected = 200 * frames / 100 * 8 / 9
+    assert 0.6 * expected <= sum(counts) <= 1.4 * expected
+
+
 def test_the_draws_come_from_the_callers_generator_alone():
     audio = _tone(500.0)
     augment = Augmentation()

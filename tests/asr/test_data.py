@@ -134,6 +134,29 @@ def test_render_is_deterministic_and_noisy_between_words(rec):
     assert 0 < gap.std() < 0.01  # low-level noise, not silence and not speech
 
 
+def test_the_background_noise_is_at_its_configured_level_in_dbfs(rec):
+    """Each utterance's noise level is drawn in dB of full scale (default -80 to -50 dBFS), converted as
+    an amplitude (/ 20): the noise rendered between words has that RMS. (At / 10 it fell to -160 to
+    -100 dBFS, well below a 16-bit step, and the test of a noisy gap still passed.)"""
+    _, test = split_recordings(rec)
+    digits = ConnectedDigits(rec, test)
+    plan = digits.plan(0)
+    levels = 20 * np.log10([u.noise for u in plan])
+    assert levels.min() >= -80.0 and levels.max() <= -50.0
+    assert levels.min() < -75.0 and levels.max() > -55.0  # the whole range is drawn
+    for u in plan[:40]:
+        audio = digits.render(u)
+        at, gaps = 0, []
+        for r, gap in zip((None, *u.recordings), u.gaps):
+            at += 0 if r is None else len(rec.audio(r))
+            gaps.append(audio[at : at + gap])
+            at += gap
+        between = torch.cat(gaps)
+        rms_db = 20 * math.log10(float(between.square().mean().sqrt()))
+        assert abs(rms_db - 20 * math.log10(u.noise)) < 1.0, (rms_db, u.noise)
+        assert -81.0 <= rms_db <= -49.0
+
+
 @pytest.mark.parametrize("speaker", [None, "theo"])
 def test_augmented_training_gains_span_the_wider_range_and_the_test_set_stays(rec, speaker):
     plain, augmented = digit_sets(rec, speaker), digit_sets(rec, speaker, augment=True)

@@ -307,6 +307,26 @@ def test_offset_and_duration_cut_segments_out_of_a_recording_as_nemo_reads_them(
     assert len({ManifestSet([e], 8000).fingerprint() for e in entries[:3]}) == 3
 
 
+@pytest.mark.parametrize("rate, kept", [(44100, 22051), (22050, 11026), (44100, 22050)])
+def test_an_entrys_samples_are_what_rendering_it_gives_at_a_rate_that_is_no_multiple(tmp_path, rate, kept):
+    """A recording at 44.1 kHz or 22.05 kHz is resampled to the model's 8 kHz by a ratio that is not whole:
+    the length the check gives its entry (the plan's, the batches' and the check of its frames) is the
+    rendered one, the partial last sample rounded up as resampling rounds it."""
+    from tandem.asr.manifest import ManifestSet
+
+    audio = np.random.default_rng(0).uniform(-0.3, 0.3, kept)
+    soundfile.write(str(tmp_path / "odd.wav"), audio, rate, subtype="PCM_16")
+    entries = read_manifest(
+        _manifest(tmp_path, [{"audio_filepath": "odd.wav", "text": "two"}]),
+        ENGLISH,
+        FeatureConfig(),
+        ModelConfig(),
+    )
+    data = ManifestSet(entries, 8000)
+    (u,) = data.plan(0)
+    assert entries[0].samples == u.length == len(data.render(u)) == -(-kept * 8000 // rate)
+
+
 def test_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(manifests, tmp_path):
     """JSON text may hold U+2028, U+0085 and other characters str.splitlines() cuts at (json.dumps with
     ensure_ascii=False writes them as they are); Windows tools write a BOM and CRLF."""
