@@ -731,6 +731,41 @@ def test_training_on_no_frame_is_batchnorm_on_an_empty_batch():
         ref(x.detach().permute(0, 2, 1)[mask])
 
 
+def test_training_on_exactly_two_frames_updates_the_running_variance_as_torchs():
+    """Two real frames (masked, one process) is the fewest that trains: the running variance moves
+    towards their unbiased variance, as torch's BatchNorm1d on those two frames, rather than staying."""
+    bn, ref = tandem.nn.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[0, 1] = mask[1, 2] = True
+    bn(x, mask=mask)
+    ref(x.permute(0, 2, 1)[mask])  # [2, C]
+    assert not torch.equal(ref.running_var, torch.ones(3))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(bn, name), getattr(ref, name), msg=name)
+
+
+def test_masked_forward_ad_updates_the_running_statistics_as_torchs():
+    """Training with running statistics under forward-mode AD (a dual input), where the autograd-tracked
+    path runs rather than the kernels: running_mean and the unbiased running_var as torch's BatchNorm1d
+    over the real frames after the same forward. (torch.func's transforms refuse the in-place update of
+    a captured buffer, torch's BatchNorm's as well.)"""
+    from torch.autograd import forward_ad
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 6, dtype=torch.float64, generator=gen)
+    tangent = torch.randn(x.shape, dtype=torch.float64, generator=gen)
+    mask = torch.arange(6) < torch.tensor([3, 1, 2])[:, None]  # 6 real frames: the correction is 6 / 5
+    ours = tandem.nn.SyncBatchNorm(2, dtype=torch.float64)
+    ref = torch.nn.BatchNorm1d(2, dtype=torch.float64)
+    with forward_ad.dual_level():
+        y = ours(forward_ad.make_dual(x, tangent), mask=mask)
+        assert forward_ad.unpack_dual(y).tangent is not None
+    ref(x.permute(0, 2, 1)[mask])  # [F, C]
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(ref, name), msg=name)
+
+
 @pytest.mark.parametrize("rnn", [torch.nn.GRU, tandem.nn.GRU], ids=["torch-gru", "tandem-gru"])
 def test_packed_sequence_through_torch_compile(rnn):
     """GRU -> SyncBatchNorm on the PackedSequence -> GRU under torch.compile: what eager computes. (A

@@ -297,6 +297,31 @@ def test_converged_compares_the_change_with_tol_itself(dtype):
         assert bool(opt.converged) is expected, (tol, dtype)
 
 
+def test_max_change_and_converged_cover_every_param_group():
+    """With several param groups, max_change is the largest change over all of them, not the last group's:
+    here the first group moves most, so a step that looked at the last group alone would call it converged
+    (and a loop waiting for it would stop training early). Parameters as torch.optim.Adagrad's."""
+    tol = 1e-2
+    init = _init(shapes=[(4,), (3,)])
+    grads = _noise(1, shapes=[(4,), (3,)])[0]
+    groups = lambda a, b: [{"params": [a], "lr": 0.5}, {"params": [b], "lr": 1e-3}]  # noqa: E731
+    ours_params = [torch.nn.Parameter(x.float().clone()) for x in init]
+    theirs_params = [torch.nn.Parameter(x.float().clone()) for x in init]
+    ours = Adagrad(groups(*ours_params), tol=tol)
+    theirs = torch.optim.Adagrad(groups(*theirs_params), foreach=False)
+    for params in (ours_params, theirs_params):
+        for p, g in zip(params, grads):
+            p.grad = g.float().clone()
+    before = [p.detach().clone() for p in ours_params]
+    ours.step()
+    theirs.step()
+    torch.testing.assert_close(ours_params, theirs_params)
+    changes = [(p.detach() - b).abs().max() for p, b in zip(ours_params, before)]
+    assert changes[0] > tol >= changes[1]  # the first group's change is the largest, and over tol
+    assert ours.max_change.item() == max(c.item() for c in changes)
+    assert not bool(ours.converged)
+
+
 def test_converged_is_computed_without_host_sync(monkeypatch):
     params, set_grads = _quadratic()
     opt = Adagrad(params, lr=0.5, tol=1e-4, weight_decay=0.01)
