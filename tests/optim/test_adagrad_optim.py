@@ -297,6 +297,15 @@ def test_converged_compares_the_change_with_tol_itself(dtype):
         assert bool(opt.converged) is expected, (tol, dtype)
 
 
+def test_a_step_without_gradients_moves_nothing_and_has_converged():
+    """No parameter had a gradient (a frozen model, a skipped batch): nothing moved, so the largest change
+    is 0 and the test on it is met."""
+    p = torch.zeros(3, requires_grad=True)
+    opt = Adagrad([p], lr=0.1, tol=1e-6)
+    opt.step()
+    assert opt.max_change.item() == 0.0 and bool(opt.converged) and torch.equal(p, torch.zeros(3))
+
+
 def test_max_change_and_converged_cover_every_param_group():
     """With several param groups, max_change is the largest change over all of them, not the last group's:
     here the first group moves most, so a step that looked at the last group alone would call it converged
