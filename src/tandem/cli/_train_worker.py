@@ -104,9 +104,9 @@ def _evaluate(model, data: SequenceData, group: Group, device: torch.device, bat
 
 def train(args: argparse.Namespace) -> int:
     """Train this rank's part; returns the exit status: 0 done, 1 a loss that became NaN or inf or a file
-    that could not be written (a full disk), 2 a
-    checkpoint whose settings differ from --resume's (every rank reaches these together; under tandem
-    train's launcher they go to its exit-status file instead, see tandem.asr.interrupt.collective_exit)."""
+    that could not be written (a full disk), 2 a checkpoint whose settings differ from --resume's (every
+    rank reaches these together; under tandem train's launcher they go to its exit-status file instead,
+    see tandem.asr.interrupt.collective_exit)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_torchrun()  # the ranks of a launcher killed outright trained on, its --out unlocked
     device = pick_device(args.device)
