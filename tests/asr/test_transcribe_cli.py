@@ -120,15 +120,18 @@ def test_a_name_with_a_newline_or_tab_is_escaped_and_its_line_marked(setup, caps
     ]
 
 
-def test_the_error_line_of_a_name_with_a_newline_is_one_line(setup, capsys, tmp_path):
+@pytest.mark.parametrize(
+    "breaks, escaped", [("\n", "\\n"), ("\r", "\\r")], ids=["newline", "carriage-return"]
+)
+def test_the_error_line_of_a_name_with_a_newline_is_one_line(setup, capsys, tmp_path, breaks, escaped):
     """A missing file named across two lines was reported on two lines of stderr: its one line names it
-    with the newline escaped, and the others go on."""
+    with the newline (or carriage return) escaped, and the others go on."""
     root, files, texts = setup
     code, out, err = _run(
-        capsys, "--model", str(root / "checkpoint.pt"), str(tmp_path / "miss\nng.wav"), files[2]
+        capsys, "--model", str(root / "checkpoint.pt"), str(tmp_path / f"miss{breaks}ng.wav"), files[2]
     )
     assert code == 1 and out == [f"{files[2]}\t{texts[2]}"]
-    assert len(err) == 1 and "miss\\nng.wav" in err[0], err
+    assert len(err) == 1 and f"miss{escaped}ng.wav" in err[0], err
 
 
 def test_a_name_with_a_backslash_is_escaped_as_sha256sum_escapes_it(setup, capsys, tmp_path):
