@@ -678,6 +678,23 @@ def test_masked_eval_uses_running_stats_and_zeroes_padding():
     assert not y.permute(0, 2, 1)[~valid].any()
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_eval_with_tracking_turned_off_after_construction_uses_the_buffers_as_torchs(masked):
+    """``track_running_stats = False`` set on a module made with it: its buffers stay, and in eval
+    torch's batch norm normalises with them, as tandem's does."""
+    bn, ref = tandem.nn.SyncBatchNorm(3), torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        for m in (bn, ref):
+            m.running_mean.copy_(torch.tensor([1.0, -2.0, 0.5]))
+            m.running_var.copy_(torch.tensor([2.0, 0.5, 1.0]))
+            m.track_running_stats = False
+            m.eval()
+    x = torch.randn(4, 3, 6)
+    y = bn(x, lengths=torch.full((4,), 6)) if masked else bn(x)
+    torch.testing.assert_close(y, ref(x))
+    torch.testing.assert_close(bn.running_var, ref.running_var)
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("affine", [True, False])
 def test_masked_second_derivative_is_batchnorms_over_the_real_frames(training, affine):
