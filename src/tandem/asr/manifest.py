@@ -38,6 +38,7 @@ from tandem.asr.audio import (
     MIN_SAMPLE_RATE,
     SILENCE_PEAK,
     AudioError,
+    first_line,
     half_range,
     read_audio,
     read_header,
@@ -213,7 +214,7 @@ def check_entry(
     except AudioError as e:  # what read_audio says of it too (it begins with the file's name)
         return f"audio file {e}"
     except Exception as e:  # soundfile's errors are RuntimeErrors (LibsndfileError) and others
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e) or type(e).__name__
         return f"audio file {audio}: not a readable recording ({reason})"
     if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:  # as to_model_input would refuse it
         return (

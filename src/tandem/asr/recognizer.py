@@ -181,7 +181,7 @@ class Recognizer:
         except CheckpointError:
             raise
         except (TypeError, ValueError, KeyError, RuntimeError, OverflowError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e) or type(e).__name__
             raise CheckpointError(f"{Path(path)}: does not make a recognizer: {first}") from None
         return recognizer.to(dev)
 
