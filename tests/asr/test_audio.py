@@ -748,3 +748,18 @@ def test_a_device_an_empty_file_and_an_endless_stream_are_refused(tmp_path, monk
     monkeypatch.setattr(audio, "STREAM_LIMIT_BYTES", 1000)
     with pytest.raises(AudioError, match="^<stdin>: more than 0 MiB from a stream"):
         read_audio(io.BytesIO(b"\0" * 1001), name="<stdin>")
+
+
+def test_a_decoder_error_without_a_message_is_named_by_its_type(tmp_path, monkeypatch):
+    """An exception from the decoder with an empty message (a ValueError()) gave an IndexError from
+    taking its first line; the one-line AudioError names the exception's type instead."""
+    path = tmp_path / "a.wav"
+    sf.write(path, _noise(800, 1), 8000, subtype="PCM_16")
+
+    def refuse(*args, **kwargs):
+        raise ValueError()
+
+    monkeypatch.setattr(sf, "SoundFile", refuse)
+    expected = f"{path}: not a readable audio file (ValueError)"
+    with pytest.raises(AudioError, match=f"^{re.escape(expected)}$"):
+        read_audio(path)

@@ -538,7 +538,7 @@ def _decode(f: BinaryIO, label: str, start: int = 0, frames: int = -1) -> tuple[
         unsupported = _unsupported_format(f)
         if unsupported is not None:
             raise AudioError(f"{label}: {unsupported}") from None
-        reason = (getattr(e, "error_string", None) or str(e).strip().splitlines()[0]).rstrip(".")
+        reason = (getattr(e, "error_string", None) or first_line(e) or type(e).__name__).rstrip(".")
         raise AudioError(f"{label}: not a readable audio file ({reason})") from None
     if problem is not None:
         raise AudioError(problem)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tandem.asr.audio import first_line
+
 __all__ = [
     "FORMAT",
     "VERSION",
@@ -106,8 +108,7 @@ def not_written(path: Path, error: BaseException, size: int | None = None) -> st
     given, the ``size`` in bytes that was going there."""
     # torch.save reports a failed write as its C++ writer's assertion ("unexpected pos 704 vs 598"), not
     # the OS error: the free space and the size beside it tell a full disk from the rest
-    lines = str(error).strip().splitlines()
-    reason = getattr(error, "strerror", None) or (lines[0] if lines else type(error).__name__)
+    reason = getattr(error, "strerror", None) or first_line(error) or type(error).__name__
     try:
         free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there"
     except OSError:
@@ -160,8 +161,7 @@ def read_checkpoint_file(path: str | Path, map_location: str | torch.device = "c
     except Exception as e:
         # Bytes that are not a checkpoint fail anywhere in the unpickler, with any exception (a text file:
         # KeyError from the weights-only unpickler's memo), not only the ones named here before.
-        text = str(e).strip()
-        first = text.splitlines()[0].split(". ")[0] if text else ""  # torch's first sentence
+        first = first_line(e).split(". ")[0]  # torch's first sentence
         detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
         problem = f"not a readable checkpoint (truncated or corrupt?): {detail}"
         raise CheckpointError(f"{path}: {problem}") from None
