@@ -21,6 +21,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -1016,6 +1017,32 @@ def test_errors_torch_checks_before_the_channels_and_eps_in_eval(case):
         with pytest.raises(ValueError) as masked:
             mods[0](x.unsqueeze(-1).expand(3, 4, 2), mask=mask)
         assert (ValueError, str(masked.value)) == theirs
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("eps", "1e-5"), ("momentum", "1e-1"), ("momentum", 0.1 + 0j), ("eps", Fraction(1, 10))],
+    ids=["eps-str", "momentum-str", "momentum-complex", "eps-fraction"],
+)
+@pytest.mark.parametrize("other_channels", [False, True], ids=["", "other-channels"])
+def test_an_eps_or_momentum_torch_cannot_take_is_its_type_error(setting, value, training, other_channels):
+    """An ``eps`` or ``momentum`` that is no float (YAML reads ``1e-5`` as a string) is torch's TypeError
+    with its words, masked (tandem's kernels, as across processes) or not, before a wrong channel count:
+    the masked path compared the string with other words, or normalised with it in eval, as it did with a
+    complex momentum."""
+    mods = [
+        cls(4, **{setting: value}).train(training)
+        for cls in (tandem.nn.SyncBatchNorm, torch.nn.SyncBatchNorm)
+    ]
+    x = torch.randn(3, 5 if other_channels else 4, 2)
+    theirs = _outcome(mods[1], x)
+    assert isinstance(theirs, tuple)
+    assert _outcome(mods[0], x) == theirs
+    with pytest.raises(TypeError) as masked:
+        mods[0](x, mask=torch.ones(3, 2, dtype=torch.bool))
+    assert (TypeError, str(masked.value)) == theirs
+    assert int(mods[0].num_batches_tracked) == 0 and not mods[0].running_mean.any()
 
 
 @pytest.mark.parametrize(

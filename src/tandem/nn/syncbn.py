@@ -150,7 +150,7 @@ class SyncBatchNorm(_BatchNorm):
             bn_training = self._batch_statistics()
             if bn_training and mask is None:
                 torch.nn.functional._verify_batch_size(input.size())
-            check_eps(self.eps, bn_training)
+            check_eps(self.eps, bn_training, 0.0 if self.momentum is None else self.momentum)
             raise RuntimeError(
                 f"SyncBatchNorm: expected input with {self.num_features} channels in dim 1 (num_features), "
                 f"got {input.size(1)} (input of shape {list(input.shape)})"

@@ -109,7 +109,7 @@ def sync_batch_norm(
     group = sync_group(process_group) if training and sync else None
     if group is None and mask is None:  # (which checks eps itself, after the batch's size)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    check_eps(eps, training)
+    check_eps(eps, training, momentum)
     _check_as_torch(input, running_mean, running_var, weight, bias, training)
     if needs_autograd_ops(input, weight, bias):
         if group is not None:
@@ -141,15 +141,17 @@ def sync_batch_norm(
     return _torch_layout(y)
 
 
-def check_eps(eps: float, training: bool) -> None:
+def check_eps(eps: float, training: bool, momentum: float = 0.1) -> None:
     """F.batch_norm's errors for ``eps`` (in eval too: a negative one made the masked path's output NaN),
     with the installed torch's rule and words: torch 2.13 takes 0 in eval and refuses a negative eps as
-    "non-negative", torch 2.11 refuses ``eps <= 0`` in either mode as "positive". F.batch_norm itself
-    checks, on one tiny batch, when ``eps`` is not positive."""
-    if eps > 0.0:  # every torch takes it
+    "non-negative", torch 2.11 refuses ``eps <= 0`` in either mode as "positive"; and its TypeErrors for
+    an ``eps`` or ``momentum`` that is no number it takes (a string from a configuration file, which the
+    masked path compared with other words, or computed with in eval). F.batch_norm itself checks, on one
+    tiny batch, when ``eps`` is not positive or either is not a float."""
+    if isinstance(eps, float) and eps > 0.0 and isinstance(momentum, float):  # every torch takes them
         return
     stat = torch.zeros(1), torch.ones(1)
-    F.batch_norm(torch.ones(2, 1), *stat, training=training, eps=eps)
+    F.batch_norm(torch.ones(2, 1), *stat, training=training, momentum=momentum, eps=eps)
 
 
 def _check_as_torch(
