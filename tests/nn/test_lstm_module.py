@@ -561,6 +561,28 @@ def test_packed_input_with_a_malformed_state_raises_as_torch(hx_kind, enforce_so
     assert said[1] == said[0]
 
 
+@pytest.mark.parametrize("enforce_sorted", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize(
+    "shapes",
+    [((1, 3, 4, 1), (1, 3, 4)), ((1, 3, 4), (1, 3, 4, 1)), ((1, 3, 4, 1), (1, 12)), ((1, 2, 4), (1, 12))],
+    ids=["4d-h", "4d-c", "4d-h-2d-c", "2-sequences-h-2d-c"],
+)
+def test_packed_input_with_states_of_other_dims_raises_torchs_type(shapes, enforce_sorted):
+    """torch.nn.LSTM checks no packed input's states before it permutes them (an index_select over the
+    sequences: a RuntimeError for a state of fewer sequences than the batch) and runs its op, which
+    raises an IndexError for a state of fewer than 3 dims and a RuntimeError for one of more; tandem's
+    raised IndexError for any state not of 3 dims, before the permutation."""
+    said = []
+    for cls in (torch.nn.LSTM, tandem.nn.LSTM):
+        torch.manual_seed(0)
+        lengths = [5, 4, 2] if enforce_sorted else [2, 5, 4]
+        packed = pack_padded_sequence(torch.randn(5, 3, 3), lengths, enforce_sorted=enforce_sorted)
+        with pytest.raises(Exception) as caught:
+            cls(3, 4)(packed, tuple(torch.zeros(s) for s in shapes))
+        said.append(type(caught.value))
+    assert said[1] is said[0]
+
+
 def test_importing_tandem_draws_nothing_from_torchs_generator():
     """tandem asks torch at import whether it runs oneDNN on a packed batch of equal lengths: with an LSTM
     of fixed weights, not a freshly initialised one, so a script seeded before ``import tandem`` draws the

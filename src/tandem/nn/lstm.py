@@ -156,13 +156,17 @@ class LSTM(RNNLayers):
                 if rows.sorted_indices is None and len(hx) != 2:
                     # no permutation takes hx apart first (torch's raises its IndexError there)
                     raise RuntimeError("lstm expects two hidden states")
-                if isinstance(hx, tuple) and len(hx) == 2 and (hx[0].dim() != 3 or hx[1].dim() != 3):
-                    raise IndexError(
+                # hx follows the caller's batch order; the packed rows are sorted by length (torch's
+                # permutation runs before its op, so its errors come first: a state of fewer than 2 dims an
+                # IndexError, one with fewer sequences a RuntimeError)
+                hx = self.permute_hidden(hx, rows.sorted_indices)
+                if isinstance(hx, (tuple, list)) and len(hx) == 2 and (hx[0].dim() != 3 or hx[1].dim() != 3):
+                    # torch's op: an IndexError where a state has fewer dims, a RuntimeError where more
+                    error = IndexError if min(hx[0].dim(), hx[1].dim()) < 3 else RuntimeError
+                    raise error(
                         "Expected hidden[0] and hidden[1] of 3 dimensions (layers * directions, batch, size) "
                         f"with a packed input, got {hx[0].dim()}-D and {hx[1].dim()}-D"
                     )
-                # hx follows the caller's batch order; the packed rows are sorted by length
-                hx = self.permute_hidden(hx, rows.sorted_indices)
             else:
                 dims = 3 if rows.batched else 2
                 if hx[0].dim() != dims or hx[1].dim() != dims:
