@@ -55,6 +55,24 @@ def test_input_without_grad_skips_dx_and_keeps_parameter_grads(torch_cls, tandem
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_cpu_layers_under_another_default_device_as_torchs(torch_cls, tandem_cls):
+    """A CPU model run where another device is the default (``torch.set_default_device("cuda")``, or the
+    ``torch.device`` context; "meta" stands in for a GPU here): torch's layers compute on their tensors'
+    device; tandem's made a padded batch's step sizes on the default device and its op refused them."""
+    kwargs = dict(num_layers=2, bidirectional=True, dtype=torch.float64)
+    ref, ours = torch_cls(5, 6, **kwargs), tandem_cls(5, 6, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 3, 5, dtype=torch.float64)
+    results = []
+    for module in (ref, ours):
+        with torch.device("meta"):
+            out, hidden = module(x)
+            (out.square().sum() + _states_sum(hidden)).backward()
+        results.append((out, hidden, [p.grad for p in module.parameters()]))
+    torch.testing.assert_close(results[1], results[0])
+
+
 @pytest.mark.parametrize("batch_first", [False, True], ids=["tm", "bf"])
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
 def test_empty_batch_matches_torch(torch_cls, tandem_cls, batch_first):

@@ -390,7 +390,8 @@ class RNNLayers(torch.nn.RNNBase):
         if steps == 0:
             raise RuntimeError("Expected sequence length to be larger than 0 in RNN")  # torch's words
         rows.data = x.reshape(steps * rows.mini_batch, self.input_size)
-        rows.batch_sizes = torch.full((steps,), rows.mini_batch, dtype=torch.long)
+        # on the CPU, as a PackedSequence's: not on a default device (torch.set_default_device)
+        rows.batch_sizes = torch.full((steps,), rows.mini_batch, dtype=torch.long, device="cpu")
         rows.step_sizes = [rows.mini_batch] * steps
 
     def _check_state_size(self, rows: Rows, state: Tensor, size: int, message: str) -> None:
