@@ -298,6 +298,32 @@ def test_converged_compares_the_change_with_tol_itself(dtype):
         assert bool(opt.converged) is expected, (tol, dtype)
 
 
+@pytest.mark.parametrize("default_dtype", [torch.float16, torch.float64], ids=["f16", "f64"])
+def test_tol_under_another_default_device_and_dtype(default_dtype):
+    """A CPU model's step with ``tol`` where another device is the default (``torch.set_default_device``,
+    the ``torch.device`` context; "meta" stands in for a GPU) computes as torch's fused Adagrad does there:
+    the tracked step made its scratch on the default device and raised. An optimizer made under another
+    default dtype keeps ``max_change`` in float32: a float16 one rounded every change it held."""
+    gen = torch.Generator().manual_seed(0)
+    init, grads = torch.randn(2, 33, 17, generator=gen)
+    ps = [torch.nn.Parameter(init.clone()) for _ in range(2)]
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        ours = Adagrad([ps[1]], lr=0.1, tol=1e-3)
+    finally:
+        torch.set_default_dtype(saved)
+    theirs = torch.optim.Adagrad([ps[0]], lr=0.1, fused=True)
+    for p, opt in zip(ps, (theirs, ours)):
+        p.grad = grads.clone()
+        with torch.device("meta"):
+            opt.step()
+    assert torch.equal(ps[1], ps[0])
+    change = (ps[1].detach() - init).abs().max()
+    assert ours.max_change.dtype == torch.float32 and ours.max_change.item() == change.item()
+    assert not ours.converged
+
+
 def test_a_step_without_gradients_moves_nothing_and_has_converged():
     """No parameter had a gradient (a frozen model, a skipped batch): nothing moved, so the largest change
     is 0 and the test on it is met."""

@@ -201,7 +201,8 @@ class Adagrad(Optimizer):
             # made here and written in place by step(): a compiled step's assignments to the optimizer's
             # attributes are dropped (dynamo), its in-place writes to their tensors are kept
             device = self._first_device()
-            self._max_change = torch.full((), float("inf"), device=device)
+            # float32 whatever the default dtype (a float16 one would round every change it holds)
+            self._max_change = torch.full((), float("inf"), dtype=torch.float32, device=device)
             self._converged = torch.zeros((), dtype=torch.bool, device=device)
 
         # As torch: the state exists from construction (initial_accumulator_value of the constructor).
@@ -297,7 +298,7 @@ class Adagrad(Optimizer):
         if self.tol is None:
             raise RuntimeError("Adagrad: max_change is only tracked when tol is set, got tol=None")
         if self._max_change is None:
-            return torch.full((), float("inf"), device=self._first_device())
+            return torch.full((), float("inf"), dtype=torch.float32, device=self._first_device())
         return self._max_change.clone()
 
     def _first_device(self) -> torch.device:
@@ -410,7 +411,7 @@ class Adagrad(Optimizer):
             if maxima:
                 largest = torch.stack([to_device(m, device) for m in maxima]).amax()
             else:  # no parameter had a gradient: nothing moved
-                largest = torch.zeros((), device=device)
+                largest = torch.zeros((), dtype=torch.float32, device=device)
             converged = largest <= _float32_at_most(self.tol)  # (tol rounded up would take larger changes)
             if found_inf is not None:  # a skipped step says nothing about convergence
                 converged = converged & (to_device(found_inf, device) == 0)

@@ -214,7 +214,7 @@ def adagrad_unchecked(
         return None
     device = params[0].device if params else torch.device("cpu")
     if not maxima:
-        return torch.zeros((), device=device)
+        return torch.zeros((), dtype=torch.float32, device=device)
     if len(maxima) == 1:
         largest = to_device(maxima[0], device).float()
     else:
@@ -287,7 +287,7 @@ def _plain_step(
     """Per-tensor PyTorch path (sparse gradients, differentiable steps) with the fused path's AMP rules."""
     # Reading found_inf syncs with the device; this path is the rare one (torch's fused kernels refuse it).
     if found_inf is not None and found_inf.item() == 1.0:
-        return [torch.zeros((), device=params[0].device)] if track else []
+        return [torch.zeros((), dtype=torch.float32, device=params[0].device)] if track else []
     maxima = []
     for p, g, s, t in zip(params, grads, state_sums, state_steps):
         if grad_scale is not None:  # as GradScaler unscales them for torch's per-tensor update

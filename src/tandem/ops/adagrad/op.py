@@ -49,7 +49,7 @@ def _adagrad_step_impl(
     track: bool,
 ) -> Tensor | None:
     if not params:
-        return torch.zeros(()) if track else None
+        return torch.zeros((), dtype=torch.float32, device="cpu") if track else None
     _count_steps(state_steps)
     kernel = adagrad_step_ref
     if use_triton(params[0]):

@@ -245,12 +245,12 @@ def adagrad_step_ref(
             if m is not None:
                 maxima.append(m)
         elif track:
-            maxima.append(torch.zeros((), device=params[0].device))
+            maxima.append(torch.zeros((), dtype=torch.float32, device=params[0].device))
 
     if not track:
         return None
     if not maxima:
-        return torch.zeros((), device=params[0].device if params else None)
+        return torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu")
     largest = torch.stack([m.to(torch.float32) for m in maxima]).amax()
     return torch.nan_to_num(largest, nan=float("inf"), posinf=float("inf"))
 
@@ -263,7 +263,10 @@ def _fused_tracked(
     **kwargs,
 ) -> Tensor:
     """torch's fused update slice by slice, each slice's change reduced while it is still in cache."""
-    scratch = torch.empty(min(_TRACK_SLICE, sum(p.numel() for p in params)), dtype=params[0].dtype)
+    # on the parameters' device, not the default one (torch.set_default_device, a torch.device context)
+    scratch = torch.empty(
+        min(_TRACK_SLICE, sum(p.numel() for p in params)), dtype=params[0].dtype, device=params[0].device
+    )
     maxima: list[Tensor] = []
     batch: tuple[list[Tensor], ...] = ([], [], [], [])
     flat_params: list[Tensor] = []  # batch[0] as 1-d views, to copy into and subtract from the scratch
@@ -307,5 +310,5 @@ def _fused_tracked(
     if sizes:
         flush()
     if not maxima:  # only empty tensors
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.float32, device=params[0].device)
     return torch.stack(maxima).amax().float()
