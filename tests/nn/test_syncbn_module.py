@@ -729,6 +729,28 @@ def test_masked_second_derivative_is_batchnorms_over_the_real_frames(training, a
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("as_list", [False, True], ids=["tensor", "list"])
+def test_lengths_under_another_default_device_are_batchnorms_over_the_real_frames(as_list):
+    """A CPU input with CPU lengths (or a list) where another device is the default
+    (``torch.set_default_device``, the ``torch.device`` context; "meta" stands in for a GPU): BatchNorm1d
+    over the real frames computes there; the lengths were moved to the default device and raised."""
+    bn, ref = tandem.nn.SyncBatchNorm(3).double(), torch.nn.BatchNorm1d(3).double()
+    x0 = torch.randn(4, 3, 6, dtype=torch.float64)
+    lengths = torch.tensor([6, 4, 3, 1])
+    valid = torch.arange(6) < lengths[:, None]  # [N, L]
+    results = []
+    for module in (ref, bn):
+        x = x0.clone().requires_grad_()
+        with torch.device("meta"):
+            if module is ref:
+                y = ref(x.permute(0, 2, 1)[valid])  # [frames, C]
+            else:
+                y = bn(x, lengths=lengths.tolist() if as_list else lengths).permute(0, 2, 1)[valid]
+            y.sin().sum().backward()
+        results.append([y, x.grad, ref.running_mean if module is ref else bn.running_mean])
+    torch.testing.assert_close(results[1], results[0])
+
+
 def test_training_on_no_frame_is_batchnorm_on_an_empty_batch():
     """Every frame masked out (on every rank): torch's BatchNorm on the empty batch of real frames gives
     an empty output and leaves the running statistics; here the padding's output and gradient are 0.

@@ -163,7 +163,9 @@ class SyncBatchNorm(_BatchNorm):
                 f"lengths: only for 3-D input [N, C, L] (use mask= for others), got {input.dim()}-D input"
             )
         batch, steps = input.shape[0], input.shape[2]
-        lengths = torch.as_tensor(lengths)
+        # a list on the CPU, not on the default device (torch.set_default_device, a torch.device context)
+        if not isinstance(lengths, Tensor):
+            lengths = torch.as_tensor(lengths, device="cpu")
         if lengths.dim() != 1 or lengths.numel() != batch or lengths.is_floating_point():
             raise ValueError(
                 f"lengths: expected a 1-D integer tensor of {batch} (N) elements, got "
