@@ -30,6 +30,7 @@ from tandem.asr import (
     split_recordings,
 )
 from tandem.asr.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from tandem.asr.features import resample
 
 sf = pytest.importorskip("soundfile")
 scipy_signal = pytest.importorskip("scipy.signal")
@@ -336,6 +337,23 @@ def test_arguments_taken_as_a_python_user_passes_them(tmp_path, checkpoint):
     expected = rec.transcribe_batch([clip, clip], 8000)
     for rate in (np.int64(8000), 8000.0, torch.tensor(8000)):
         assert rec.transcribe_batch([clip, clip], rate) == expected
+
+
+def test_another_default_device_transcribes_as_the_cpu(checkpoint):
+    """Under ``torch.set_default_device`` (or the ``torch.device`` context; "meta" stands in for a GPU)
+    from_checkpoint(device="cpu") built its model and features on the default device, and transcribing
+    CPU samples (a tensor, a numpy array, resampled from 16 kHz and from 44.101 kHz) made them there:
+    the same text as without, edges fitted (seeded noise padding) or not."""
+    clips = list(_utterances())[:2]
+    other_rates = [(resample(clips[0], 8000, rate).numpy(), rate) for rate in (16000, 44101)]
+    for fit_edges in (True, False):
+        rec = Recognizer.from_checkpoint(checkpoint, fit_edges=fit_edges)
+        expected = rec.transcribe_batch(clips, 8000), [rec.transcribe(*clip) for clip in other_rates]
+        with torch.device("meta"):
+            rec = Recognizer.from_checkpoint(checkpoint, device="cpu", fit_edges=fit_edges)
+            got = rec.transcribe_batch(clips, 8000), [rec.transcribe(*clip) for clip in other_rates]
+        assert next(rec.model.parameters()).device.type == "cpu" and rec.logmel.fbank.device.type == "cpu"
+        assert got == expected
 
 
 def test_a_float64_default_dtype_transcribes_as_float32(checkpoint):

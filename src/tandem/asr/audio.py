@@ -680,7 +680,8 @@ def to_model_input(
             f"{name}: expected samples, a tensor or numpy array, got {type(waveform).__name__}{hint}"
         )
     try:
-        x = torch.as_tensor(waveform)
+        # on the CPU (a tensor where it is), not on the default device (torch.set_default_device)
+        x = torch.as_tensor(waveform, device=waveform.device if isinstance(waveform, Tensor) else "cpu")
     except (TypeError, ValueError, RuntimeError) as e:  # a list of strings, ragged lists, objects
         raise TypeError(
             f"{name}: expected samples, a tensor or numpy array, got {type(waveform).__name__} "

@@ -111,7 +111,7 @@ class FeatureConfig:
 
     def frames(self, samples: Tensor | int) -> Tensor:
         """Frames of a recording of ``samples`` samples (a recording shorter than a window has one)."""
-        samples = torch.as_tensor(samples)
+        samples = torch.as_tensor(samples, device=samples.device if isinstance(samples, Tensor) else "cpu")
         return 1 + torch.clamp(samples - self.win_length, min=0) // self.hop_length
 
     def to_dict(self) -> dict[str, float]:
@@ -164,7 +164,7 @@ class LogMel(torch.nn.Module):
         power = torch.fft.rfft(chunks, n=cfg.n_fft).abs().square()  # [B, T, K]
         mel = torch.log(power @ self.fbank.to(power.dtype) + 1e-6)  # [B, T, M]
         steps = mel.shape[1]
-        valid = (torch.arange(steps) < frames[:, None]).to(mel.device).unsqueeze(-1)  # [B, T, 1]
+        valid = (torch.arange(steps, device=frames.device) < frames[:, None]).to(mel.device).unsqueeze(-1)
         count = frames.to(mel.device, mel.dtype)[:, None, None]
         mean = (mel * valid).sum(1, keepdim=True) / count
         centred = (mel - mean) * valid
@@ -199,8 +199,9 @@ def _sinc(t: Tensor, zeros: int, cutoff: float, orig: int) -> Tensor:
 def _sinc_kernel(orig: int, new: int, zeros: int, rolloff: float) -> tuple[Tensor, int]:
     """Polyphase filter ``[new, taps]`` (float64) of a Hann-windowed sinc low-pass and its half width."""
     cutoff, width = _width(orig, new, zeros, rolloff)
-    idx = torch.arange(-width, width + orig, dtype=torch.float64)[None, :] / orig  # [1, taps], input time
-    t = idx - torch.arange(new, dtype=torch.float64)[:, None] / new  # [new, taps]: distance to output n
+    # on the CPU whatever the default device (torch.set_default_device): the cache keeps it for every call
+    idx = torch.arange(-width, width + orig, dtype=torch.float64, device="cpu")[None, :] / orig  # [1, taps]
+    t = idx - torch.arange(new, dtype=torch.float64, device="cpu")[:, None] / new  # [new, taps]: to output n
     return _sinc(t * cutoff, zeros, cutoff, orig), width
 
 
@@ -208,7 +209,7 @@ def _resample_direct(x: Tensor, orig: int, new: int, zeros: int, rolloff: float,
     """:func:`resample`'s filter applied output by output (``x`` ``[N, S]``), a chunk of outputs at a
     time: memory bounded by the chunk, whatever the ratio ``orig / new``."""
     cutoff, width = _width(orig, new, zeros, rolloff)
-    taps = torch.arange(-width, width + 2)  # input samples around each output's position
+    taps = torch.arange(-width, width + 2, device=x.device)  # input samples around each output's position
     dtype = x.dtype if x.is_floating_point() else torch.float32
     xp = torch.nn.functional.pad(x.to(dtype), (width, width + 2))  # index j + width is input sample j
     out = x.new_empty(x.shape[0], out_length, dtype=dtype)
@@ -217,11 +218,11 @@ def _resample_direct(x: Tensor, orig: int, new: int, zeros: int, rolloff: float,
     # small, the sinc of every output's taps otherwise (a rate such as 767999 Hz).
     table = None
     if new * len(taps) <= _PHASE_ENTRIES:
-        phase = torch.arange(new, dtype=torch.int64)[:, None] * orig % new
+        phase = torch.arange(new, dtype=torch.int64, device=x.device)[:, None] * orig % new
         table = _sinc(_distance(taps * new - phase, orig, new, cutoff), zeros, cutoff, orig).to(dtype)
     chunk = max(1, 2**22 // len(taps))
     for start in range(0, out_length, chunk):
-        n = torch.arange(start, min(start + chunk, out_length), dtype=torch.int64)  # output indices
+        n = torch.arange(start, min(start + chunk, out_length), dtype=torch.int64, device=x.device)  # outputs
         j = (n * orig // new)[:, None] + taps  # [c, taps]: input indices, exact integer arithmetic
         if table is not None:
             weights = table[n % new]

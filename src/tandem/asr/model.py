@@ -170,7 +170,7 @@ class DeepSpeech2(nn.Module):
 
     def _conv_norm(self, norm: nn.Module, x: Tensor, frames: Tensor) -> Tensor:
         """Batch norm and clip of ``x`` ``[B, C, F, T]`` over its real frames; padded frames become 0."""
-        valid = torch.arange(x.shape[3]) < frames[:, None]  # [B, T]
+        valid = torch.arange(x.shape[3], device=frames.device) < frames[:, None]  # [B, T]
         valid = valid.to(x.device)
         real = x.permute(0, 3, 1, 2)[valid]  # [P, C, F]
         out = x.new_zeros(x.shape[0], x.shape[3], x.shape[1], x.shape[2])  # [B, T, C, F]

@@ -147,7 +147,9 @@ class Recognizer:
         self.alphabet = alphabet
         self.fit_edges = fit_edges
         self.device = next(model.parameters()).device
-        self.logmel = LogMel(features).to(self.device)
+        with torch.device("cpu"):  # its buffers, whatever the default device (torch.set_default_device)
+            self.logmel = LogMel(features)
+        self.logmel.to(self.device)
 
     @classmethod
     def from_checkpoint(
@@ -171,8 +173,10 @@ class Recognizer:
             config = ModelConfig(**state["model_config"])
             features = FeatureConfig(**state["feature_config"])
             alphabet = Alphabet(state["alphabet"])
-            # float32, the checkpoint's, whatever torch's default dtype (float64 made float64 layers)
-            model = DeepSpeech2(config, TANDEM_PARTS).float()
+            # float32, the checkpoint's, whatever torch's default dtype (float64 made float64 layers), on the
+            # CPU whatever the default device (torch.set_default_device), then moved to ``device``
+            with torch.device("cpu"):
+                model = DeepSpeech2(config, TANDEM_PARTS).float()
             mismatch = _weights_mismatch(model, state["model"], state["model_config"])
             if mismatch is not None:
                 raise CheckpointError(f"{Path(path)}: does not make a recognizer: {mismatch}")
@@ -403,7 +407,7 @@ class Recognizer:
         order = sorted(todo, key=lambda i: -len(audio[i]))
         dtype = next(self.model.parameters()).dtype
         for chosen in _batches(order, [len(a) for a in audio], batch_size):
-            lengths = torch.tensor([len(audio[i]) for i in chosen])
+            lengths = torch.tensor([len(audio[i]) for i in chosen], device="cpu")
             padded = torch.nn.utils.rnn.pad_sequence([audio[i] for i in chosen], batch_first=True)
             features, frames = self.logmel(padded.to(self.device), lengths)  # [B, T, n_mels], [B]
             features = features.to(dtype)  # the model's (one made under another default dtype, converted)
@@ -505,7 +509,8 @@ def _cannot(name: str, error: BaseException | str) -> str:
 def _padded(waveform: Tensor, samples: int) -> Tensor:
     """``waveform`` with ``samples`` of Gaussian noise at :data:`PAD_LEVEL_DB` below its peak before and
     after it (the same noise for every recording: a transcript depends on the recording alone)."""
-    noise = torch.randn(2, samples, generator=torch.Generator().manual_seed(0), dtype=waveform.dtype)
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(2, samples, generator=generator, dtype=waveform.dtype, device="cpu")
     noise = noise.to(waveform.device) * (waveform.abs().max() * 10 ** (PAD_LEVEL_DB / 20))
     return torch.cat([noise[0], waveform, noise[1]])
 
