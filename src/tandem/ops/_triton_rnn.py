@@ -247,7 +247,7 @@ def persistent_meta(
 
 def step_rows(steps: PackedSteps, device: torch.device) -> Tensor:
     """``[2, T]`` int32 on ``device``: the active sequences of each step, then its first step-packed row."""
-    return to_device(torch.tensor([steps.sizes, steps.offsets], dtype=torch.int32), device)
+    return to_device(torch.tensor([steps.sizes, steps.offsets], dtype=torch.int32, device="cpu"), device)
 
 
 class StepGraphs:

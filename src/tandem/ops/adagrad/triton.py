@@ -198,7 +198,7 @@ def _chunk_table(numels: tuple[int, ...], chunk: int, device: torch.device) -> t
         for s in range(0, n, chunk):
             index.append(i)
             start.append(s)
-    return torch.tensor([index, start], dtype=torch.int64).to(device)
+    return torch.tensor([index, start], dtype=torch.int64, device="cpu").to(device)  # not the default device
 
 
 @on_tensors_device
@@ -274,7 +274,7 @@ def adagrad_step_triton(
         if m is not None:
             maxima.append(m)
     if keep:
-        meta = torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
+        meta = torch.tensor(table, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
         chunks = _chunk_table(tuple(numels), chunk, device)
         n_chunks = chunks.shape[1]
         delta = torch.empty(n_chunks if track else 1, dtype=torch.float32, device=device)
