@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,20 @@ def needs_formulas(batch: int, *tensors: Tensor | None) -> bool:
     own layers there, slower and with the same values."""
     complex_numbers = any(t is not None and t.is_complex() for t in tensors)
     return batch == 0 or complex_numbers or needs_autograd_ops(*tensors)
+
+
+def _in_onnx_export() -> bool:
+    """Whether torch.onnx.export is tracing the call, either exporter: the TorchScript one (``dynamo=False``)
+    or torch.export's (``dynamo=True``, whose first try, non-strict, runs the Python forward). Its graph
+    then takes torch's own forward, whose RNN ops ONNX has symbolics for (it has none for tandem's custom
+    ops, nor for the oneDNN layer tandem's LSTM calls), so that a tandem layer exports as torch's does, or
+    fails with its error. Without ``torch.onnx`` imported no export runs, and the first call of its flag
+    would import it (milliseconds); under Dynamo (torch.compile, strict torch.export) the flag is False,
+    as Dynamo folds torch's own."""
+    if torch.compiler.is_dynamo_compiling():
+        return False
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
 
 
 @dataclass
@@ -212,6 +227,8 @@ class RNNLayers(torch.nn.RNNBase):
         torch.func compute in that dtype too, not in autocast's own (which failed or gave float32)."""
         if self._settings_torch_refuses() or self._under_cpu_autocast(input):
             return self._torch_forward(input, hx)  # torch's error, or torch's mixed-precision numbers
+        if _in_onnx_export():
+            return self._torch_forward(input, hx)  # ONNX has no tandem ops: torch's graph, or its error
         data = input[0] if isinstance(input, PackedSequence) else input
         dtype = self._autocast_dtype(data) if isinstance(data, Tensor) else None
         if dtype is None:
@@ -274,7 +291,8 @@ class RNNLayers(torch.nn.RNNBase):
     def _torch_forward(self, input: Tensor | PackedSequence, hx: Any) -> Any:
         """torch.nn.GRU's or LSTM's own forward on this module (its parameters and checks are torch's):
         for settings tandem's kernels do not take and torch's forward rejects, so that the error is
-        torch's own (a non-bool ``bidirectional``, which torch's constructor lets through)."""
+        torch's own (a non-bool ``bidirectional``, which torch's constructor lets through), for CPU
+        autocast, and under torch.onnx.export (:func:`_in_onnx_export`)."""
         return getattr(torch.nn, self.mode).forward(self, input, hx)
 
     def __prepare_scriptable__(self) -> torch.nn.Module:
