@@ -408,6 +408,22 @@ def test_one_rank_is_exact_and_sends_nothing(one_rank):
     assert list(ddp.state_dict()) == [f"module.{k}" for k in bare.state_dict()]
 
 
+def test_torch_compile_of_the_wrapper_trains_as_torchs_and_draws_no_compiler_warning(one_rank):
+    """torch.compile(DistributedDataParallel(model)): the same steps as torch's wrapper compiled so, and no
+    warning from dynamo (it traced the hook on the outputs and warned of its time.perf_counter, asking
+    users to file an issue with PyTorch; torch's wrapper draws none)."""
+    states = []
+    for wrapper in (torch.nn.parallel.DistributedDataParallel, tandem.parallel.DistributedDataParallel):
+        torch.compiler.reset()
+        model = w.mlp()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            w.train(torch.compile(wrapper(model), backend="aot_eager"), 2, 1, 0)
+        assert not [str(c.message) for c in caught if "dynamo" in str(c.filename).lower()]
+        states.append(w.params(model))
+    assert_same_state(states[1], states[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("timeout", [None, float("inf")], ids=["group-timeout", "no-deadline"])
 def test_one_rank_runs_a_registered_hook(one_rank, timeout):
     """The hook's futures are waited for with a deadline, or with none (infinite: threading's waits

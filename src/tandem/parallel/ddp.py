@@ -1521,6 +1521,9 @@ def _grad_ready_hook(ref: weakref.ref, i: int, param: Tensor, *node_grads: Any) 
         ddp._grad_ready(i, param)
 
 
+# Host-side bookkeeping: under torch.compile(DistributedDataParallel(model)) dynamo would trace this hook
+# on the outputs into the backward and warn of its time.perf_counter, a warning torch's DDP never draws.
+@torch.compiler.disable
 def _output_grad_hook(ref: weakref.ref, grad: Tensor) -> None:
     ddp = ref()
     if ddp is not None and ddp._expect_hooks and not ddp._in_backward:
