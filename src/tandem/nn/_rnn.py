@@ -225,10 +225,9 @@ class RNNLayers(torch.nn.RNNBase):
         tensors cast on the way in, as torch's autocast wrapper of ``_cudnn_rnn`` casts and then excludes
         autocast: the concatenation of the layers' states and the formulas of an empty batch or of
         torch.func compute in that dtype too, not in autocast's own (which failed or gave float32)."""
-        if self._settings_torch_refuses() or self._under_cpu_autocast(input):
-            return self._torch_forward(input, hx)  # torch's error, or torch's mixed-precision numbers
-        if _in_onnx_export():
-            return self._torch_forward(input, hx)  # ONNX has no tandem ops: torch's graph, or its error
+        if self._settings_torch_refuses() or self._under_cpu_autocast(input) or _in_onnx_export():
+            # torch's error, torch's mixed-precision numbers, or (ONNX has no tandem ops) torch's graph
+            return self._torch_forward(input, hx)
         data = input[0] if isinstance(input, PackedSequence) else input
         dtype = self._autocast_dtype(data) if isinstance(data, Tensor) else None
         if dtype is None:
