@@ -40,13 +40,15 @@ def _clone(xs):
 # registration
 
 
+@pytest.mark.parametrize("lr", [0.1, torch.tensor(0.1)], ids=["float-lr", "tensor-lr"])
 @pytest.mark.parametrize("track", [False, True], ids=["untracked", "tracked"])
 @pytest.mark.parametrize("amp", [False, True], ids=["no-amp", "amp"])
-def test_opcheck(track, amp):
+def test_opcheck(track, amp, lr):
     ps, gs, ss, ts = _tensors([(), (3,), (5, 4)])
     scale = torch.tensor(2.0) if amp else None
     found_inf = torch.tensor(0.0) if amp else None
-    args = (ps, gs, ss, ts, 0.1, 0.01, 0.1, 1e-10, False, scale, found_inf, track)
+    lr, lr_tensor = (float("nan"), lr) if isinstance(lr, torch.Tensor) else (lr, None)
+    args = (ps, gs, ss, ts, lr, 0.01, 0.1, 1e-10, False, scale, found_inf, track, lr_tensor)
     torch.library.opcheck(torch.ops.tandem.adagrad_step.default, args)
 
 

@@ -285,6 +285,45 @@ def test_converged_and_max_change_of_a_compiled_step(backend):
     assert compiled[2][0] == float("inf")
 
 
+@pytest.mark.parametrize("options", [{}, {"lr_decay": 0.05, "tol": 1e-3}], ids=["defaults", "lr_decay-tol"])
+def test_a_compiled_step_follows_a_scheduler_tensor_lr_without_recompiling(options):
+    """torch's recipe for a compiled optimizer with an LR scheduler: lr as a tensor, which the scheduler
+    changes in place. torch's compiled step follows it with the graphs of its first steps; tandem's read
+    the tensor while tracing, recompiled at every new lr and gave up at dynamo's recompile limit (8), with
+    a warning, running eagerly from there. Trajectories against torch's eager Adagrad with the same
+    scheduler, and the graphs dynamo made after the third step: none."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    init = _init([(5, 3), (4,)], dtype=torch.float32)
+    noise = _noise(12, [(5, 3), (4,)])
+    tol = options.pop("tol", None)
+    ours = [torch.nn.Parameter(x.clone()) for x in init]
+    theirs = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = Adagrad(ours, lr=torch.tensor(0.1), tol=tol, **options)
+    ref = torch.optim.Adagrad(theirs, lr=torch.tensor(0.1), **options)
+    schedulers = [torch.optim.lr_scheduler.ExponentialLR(o, 0.7) for o in (opt, ref)]
+    step = torch.compile(opt.step, backend=counting)
+    for t, g in enumerate(noise):
+        if t == 3:
+            warm = len(graphs)
+        for p, q, n in zip(ours, theirs, g):
+            p.grad, q.grad = n.float() + 0.1 * p.detach(), n.float() + 0.1 * q.detach()
+        step()
+        ref.step()
+        for s in schedulers:
+            s.step()
+        for p, q in zip(ours, theirs):
+            torch.testing.assert_close(p, q, rtol=2e-6, atol=1e-7)
+    assert warm > 0 and len(graphs) == warm
+    ours_lr, their_lr = opt.param_groups[0]["lr"], ref.param_groups[0]["lr"]
+    assert ours_lr is not their_lr and ours_lr.item() == their_lr.item() == pytest.approx(0.1 * 0.7**12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_converged_compares_the_change_with_tol_itself(dtype):
     """A first step of lr 0.1 moves each element by float32(0.1) = 0.10000000149 > 0.1: tol=0.1 was met
@@ -525,10 +564,12 @@ def test_step_refusals_as_torch_before_any_change(case):
         ("lr", np.float64(0.1), 0.1),
         ("lr", np.array(0.1), 0.1),
         ("lr_decay", Fraction(1, 10), 0.1),
+        ("lr", complex(0.1, 0), 0.1),
+        ("lr", torch.tensor(complex(0.1, 0)), torch.tensor(0.1)),
     ],
     ids=[
         "maximize-int", "maximize-numpy", "maximize-tensor", "maximize-string", "lr-fraction", "lr-numpy",
-        "lr-numpy-0d", "lr-decay-fraction",
+        "lr-numpy-0d", "lr-decay-fraction", "lr-complex-real", "lr-complex-tensor-real",
     ],
 )  # fmt: skip
 def test_hyperparameters_of_other_types_step_as_torchs_default(key, value, plain):

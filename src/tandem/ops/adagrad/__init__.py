@@ -24,11 +24,15 @@ _PROBE = torch.empty(0)
 
 def hyperparameters(
     lr: float | Tensor, lr_decay: float, weight_decay: float, eps: float, maximize: bool
-) -> tuple[float, float, float, float, bool]:
+) -> tuple[float | Tensor, float, float, float, bool]:
     """``lr``, ``lr_decay``, ``weight_decay``, ``eps`` as floats and ``maximize`` as a bool, read as
     torch's per-tensor update reads them: a tensor ``lr`` by its value, a ``Fraction`` or numpy number
     by Python's arithmetic with a float, ``maximize`` by its truth value. What that update refuses raises
-    its error here, before any tensor changes (the kernels take floats and a bool only)."""
+    its error here, before any tensor changes (the kernels take floats and a bool only).
+
+    Under ``torch.compile`` a real tensor ``lr`` stays a tensor, read by the op when it runs: reading it
+    here would make the compiled step depend on its value, and recompile at every change an LR scheduler
+    makes to it (torch's compiled optimizers take a tensor lr for that reason)."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             # a tensor lr set in param_groups after construction: torch's update refuses it with a
@@ -37,6 +41,11 @@ def hyperparameters(
                 "Adagrad: expected lr as a number or a 1-element tensor, got a tensor of shape "
                 f"{list(lr.shape)}"
             )
+        if torch.compiler.is_compiling() and not lr.is_complex():
+            # its dtype decides what torch's update makes of it; a number of that kind stands in for it
+            kind = bool if lr.dtype == torch.bool else float if lr.is_floating_point() else int
+            _, *rest = hyperparameters(kind(1), lr_decay, weight_decay, eps, maximize)
+            return (lr, *rest)
         lr = lr.item()  # as torch's for-loop path, which passes it on as a Python number
     maximize = bool(maximize)
     # torch's ops on nothing: its clr = lr / (1 + (step - 1) * lr_decay), its addcdiv_ value, eps, alpha
@@ -45,6 +54,8 @@ def hyperparameters(
     _PROBE.add_(eps)
     if weight_decay != 0:
         _PROBE.add(_PROBE, alpha=weight_decay)
+    if isinstance(lr, complex):  # one torch's addcdiv_ took: its imaginary part is 0
+        lr = lr.real
     return float(lr), float(lr_decay), float(weight_decay), float(eps), maximize
 
 
@@ -126,7 +137,7 @@ def adagrad_unchecked(
     state_sums: list[Tensor],
     state_steps: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     lr_decay: float,
     weight_decay: float,
     eps: float,
@@ -137,8 +148,8 @@ def adagrad_unchecked(
     return_max_change: bool,
 ) -> Tensor | None:
     """:func:`adagrad` without the per-tensor argument checks, for callers whose state is known good, and
-    with the hyper-parameters as :func:`hyperparameters` gives them (floats and a bool: the callers read
-    them once, before any group moves).
+    with the hyper-parameters as :func:`hyperparameters` gives them (floats and a bool, ``lr`` a tensor under
+    ``torch.compile``: the callers read them once, before any group moves).
 
     ``tandem.optim.Adagrad`` creates (or validates on load) every state tensor, and torch checks every
     ``.grad`` against its parameter; the checks cost ~0.35 us per tensor per step otherwise.
@@ -183,7 +194,9 @@ def adagrad_unchecked(
         lists[2].append(s)
         lists[3].append(t)
 
-    hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
+    # (the per-tensor path takes lr as a number: there a compiled step reads a tensor one, as torch's does)
+    plain_lr = float(lr.item()) if plain and isinstance(lr, Tensor) else lr
+    hyper = dict(lr=plain_lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
     if plain and (groups or len(plain) > 1):  # what the per-tensor path refuses, before anything moves
         refuse_early([params[i] for i in plain], [grads[i] for i in plain], [state_sums[i] for i in plain],
                       [state_steps[i] for i in plain], hyper)  # fmt: skip
@@ -268,6 +281,8 @@ def refuse_early(
     for p, g, s, t in zip(params, grads, sums, steps):
         if not g.is_sparse and (g.shape != p.shape or g.dtype != p.dtype or s.shape != p.shape):
             stand_ins = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in (p, g, s)]
+            if isinstance(hyper["lr"], Tensor):  # (a compiled step's: the per-tensor path takes a number)
+                hyper = {**hyper, "lr": float(hyper["lr"].item())}
             with torch.no_grad():
                 adagrad_tensor_ref(*stand_ins, float(t) + 1, **hyper)
 

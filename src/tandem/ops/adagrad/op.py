@@ -47,7 +47,10 @@ def _adagrad_step_impl(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     track: bool,
+    lr_tensor: Tensor | None = None,
 ) -> Tensor | None:
+    if lr_tensor is not None:
+        lr = float(lr_tensor.item())  # (read before anything changes: what it holds now, as torch's update)
     if not params:
         return torch.zeros((), dtype=torch.float32, device="cpu") if track else None
     _count_steps(state_steps)
@@ -89,16 +92,19 @@ def adagrad_step(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     track: bool,
+    lr_tensor: Tensor | None = None,
 ) -> Tensor:
     """Adagrad step of dense real tensors of one device and dtype, in place.
 
     ``state_steps`` are float32 0-d tensors on the parameters' device; ``grads`` change only with
-    ``grad_scale`` (unscaled in place). Returns the largest absolute parameter change (0-d float32) when
-    ``track``, else an empty tensor.
+    ``grad_scale`` (unscaled in place). ``lr_tensor``, a real 1-element tensor, replaces ``lr`` when
+    given: read when the op runs, so that a compiled step follows an LR scheduler's changes to it without
+    recompiling. Returns the largest absolute parameter change (0-d float32) when ``track``, else an empty
+    tensor.
     """
     largest = _adagrad_step_impl(
         params, grads, state_sums, state_steps, lr, lr_decay, weight_decay, eps, maximize,
-        grad_scale, found_inf, track,
+        grad_scale, found_inf, track, lr_tensor,
     )  # fmt: skip
     if largest is None:
         like = params[0] if params else torch.empty(0)
@@ -109,7 +115,7 @@ def adagrad_step(
 @adagrad_step.register_fake
 def _adagrad_step_fake(
     params, grads, state_sums, state_steps, lr, lr_decay, weight_decay, eps, maximize, grad_scale, found_inf,
-    track,
+    track, lr_tensor=None,
 ):  # fmt: skip
     like = params[0] if params else torch.empty(0)
     return like.new_empty(() if track else (0,), dtype=torch.float32)
@@ -120,7 +126,7 @@ def adagrad_step_dispatch(
     grads: list[Tensor],
     state_sums: list[Tensor],
     state_steps: list[Tensor],
-    lr: float,
+    lr: float | Tensor,
     lr_decay: float,
     weight_decay: float,
     eps: float,
@@ -129,9 +135,13 @@ def adagrad_step_dispatch(
     found_inf: Tensor | None,
     track: bool,
 ) -> Tensor | None:
-    """``tandem::adagrad_step`` (returning None instead of an empty tensor when not ``track``)."""
+    """``tandem::adagrad_step`` (returning None instead of an empty tensor when not ``track``); a tensor
+    ``lr`` goes to the op as ``lr_tensor``."""
+    lr_tensor = lr if isinstance(lr, Tensor) else None
+    if lr_tensor is not None:
+        lr = float("nan")  # (the op reads lr_tensor instead)
     args = (params, grads, state_sums, state_steps, lr, lr_decay, weight_decay, eps, maximize)
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        largest = adagrad_step(*args, grad_scale, found_inf, track)
+        largest = adagrad_step(*args, grad_scale, found_inf, track, lr_tensor)
         return largest if track else None
-    return _adagrad_step_impl(*args, grad_scale, found_inf, track)
+    return _adagrad_step_impl(*args, grad_scale, found_inf, track, lr_tensor)
