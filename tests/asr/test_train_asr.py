@@ -11,7 +11,13 @@ import pytest
 import torch
 from _cli import free_port, tandem
 
+import tandem.asr.training as training
 from tandem.asr.checkpoint import load_checkpoint
+from tandem.asr.corpus import load_spoken_digits
+from tandem.asr.distributed import Group
+from tandem.asr.generator import ConnectedDigits, split_recordings
+from tandem.asr.model import ModelConfig
+from tandem.asr.training import DataSets, Run, TrainConfig, epoch_batches
 
 # A smaller model that still learns the digits in a few epochs (about 5 s an epoch on two cores; 6 epochs
 # reached a test WER of 19.5%).
@@ -338,3 +344,37 @@ def test_the_error_curve_draws_epochs_at_zero_percent(tmp_path, monkeypatch):
         low, high = figure.axes[1].get_ylim()
         assert low <= 0 < high
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_long_run_draws_each_epochs_batches_when_it_reaches_it(monkeypatch, workers):
+    """Every epoch's batches were drawn before the first step: 20-40 ms an epoch, minutes of silence before
+    a run of 10,000 epochs began. The first steps now draw only their own epoch; the steps, across an
+    epoch's end and from a resumed position, are those of epoch_batches."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rec = load_spoken_digits()
+    train_ids, test_ids = split_recordings(rec)
+    data = DataSets(ConnectedDigits(rec, train_ids[:40]), ConnectedDigits(rec, test_ids[:8]))
+    config = TrainConfig(
+        model=ModelConfig(hidden=8, layers=1, conv_channels=2), augment=False, epochs=10_000, batch_size=8
+    )
+    run = Run(config, Group(torch.device("cpu"), 10), data)
+    drawn = []
+    counting = training.epoch_batches
+
+    def epoch_batches_counted(train_set, cfg, epoch, world):
+        drawn.append(epoch)
+        return counting(train_set, cfg, epoch, world)
+
+    monkeypatch.setattr(training, "epoch_batches", epoch_batches_counted)
+    run.epoch, run.position = 3, 2  # as a resumed run
+    per_epoch = run.batch_count(3)
+    steps = run.batches(workers)
+    got = [next(steps) for _ in range(per_epoch - 2 + 1)]  # the rest of epoch 3 and epoch 4's first
+    assert set(drawn) <= {0, *range(3, 3 + 6)}  # (a DataLoader's workers are 4 steps ahead)
+    expected = [epoch_batches(data.train, config, 3, 1)[p] for p in range(2, per_epoch)]
+    expected.append(epoch_batches(data.train, config, 4, 1)[0])
+    assert len(got) == len(expected)
+    for (batch, size, problems), utterances in zip(got, expected):
+        assert problems == [] and size == len(utterances)
+        assert batch.transcripts == [u.transcript for u in sorted(utterances, key=lambda u: u.length)]

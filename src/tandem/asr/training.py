@@ -285,23 +285,33 @@ def digit_sets(recordings: Recordings, test_speaker: str | None = None, augment:
     return DataSets(train, ConnectedDigits(recordings, test_ids), TEST_PASSES)
 
 
-class _Shares(torch.utils.data.Dataset):
-    """Item ``k``: this rank's collated share of the ``k``-th of ``steps`` ((epoch, position) pairs), with
-    the size of its global batch and the recordings that could not be read (see :func:`_render`).
-    Picklable, so DataLoader workers can make the batches."""
+class _Steps(torch.utils.data.Sampler):
+    """The (epoch, position) pairs from a run's position to its end, made as they are read: an epoch's
+    count of batches is drawn when its first step is reached (all of them at the start kept a run of
+    10,000 epochs from its first step for minutes, silently)."""
 
-    def __init__(self, run: Run, steps: list[tuple[int, int]]) -> None:
-        self.steps = steps
+    def __init__(self, run: Run) -> None:
+        self.run, self.epoch, self.position = run, run.epoch, run.position
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for epoch in range(self.epoch, self.run.config.epochs):
+            for position in range(self.position if epoch == self.epoch else 0, self.run.batch_count(epoch)):
+                yield epoch, position
+
+
+class _Shares(torch.utils.data.Dataset):
+    """Item ``(epoch, position)``: this rank's collated share of that step's global batch, with the size
+    of the global batch and the recordings that could not be read (see :func:`_render`). Picklable, so
+    DataLoader workers can make the batches."""
+
+    def __init__(self, run: Run) -> None:
         self.train_set, self.logmel, self.alphabet = run.train_set, run.logmel, run.alphabet
         self.augmentation, self.config = run.augmentation, run.config
         self.rank, self.world = run.group.rank, run.group.world
         self._epoch: tuple[int, list[list[Utterance]]] | None = None
 
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def __getitem__(self, k: int) -> tuple[Batch, int, list[str]]:
-        epoch, position = self.steps[k]
+    def __getitem__(self, step: tuple[int, int]) -> tuple[Batch, int, list[str]]:
+        epoch, position = step
         if self._epoch is None or self._epoch[0] != epoch:
             self._epoch = (epoch, epoch_batches(self.train_set, self.config, epoch, self.world))
         global_batch = self._epoch[1][position]
@@ -469,21 +479,16 @@ class Run:
         With ``workers`` > 0, DataLoader worker processes read, augment and compute features ahead of the
         steps, on ``worker_cores`` when given (a pinned rank's: the cores it had before, see
         :class:`WorkerCores`)."""
-        steps = [
-            (epoch, position)
-            for epoch in range(self.epoch, self.config.epochs)
-            for position in range(self.position if epoch == self.epoch else 0, self.batch_count(epoch))
-        ]
-        shares = _Shares(self, steps)
+        steps, shares = _Steps(self), _Shares(self)
         if workers == 0:
-            return (shares[i] for i in range(len(shares)))
+            return map(shares.__getitem__, steps)
         with warnings.catch_warnings():
             if worker_cores is not None and workers <= len(worker_cores):
                 # torch weighs the workers against the cores of the pinned rank (one, say) and warns of
                 # "excessive worker creation", twice; they run on the cores the rank had before
                 warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
             loader = torch.utils.data.DataLoader(
-                shares, batch_size=None, num_workers=workers, prefetch_factor=4,
+                shares, batch_size=None, sampler=steps, num_workers=workers, prefetch_factor=4,
                 worker_init_fn=LoaderWorkerInit(None if worker_cores is None else WorkerCores(worker_cores)),
             )  # fmt: skip
             with stop_signals_held():  # until the workers ignore them (see LoaderWorkerInit)
