@@ -43,7 +43,8 @@ def _librosa_logmel(audio: np.ndarray, cfg: FeatureConfig) -> np.ndarray:
         window="hann", center=False, power=2.0, n_mels=cfg.n_mels, htk=True, norm=None,
     ).T  # fmt: skip
     log = np.log(mel + 1e-6)
-    return (log - log.mean(0)) / (log.std(0) + 1e-5)
+    centred = log - log.mean(0)
+    return centred / ((log.std(0) if cfg.normalize == "band" else centred.std()) + 1e-5)
 
 
 @pytest.mark.parametrize(
@@ -52,8 +53,10 @@ def _librosa_logmel(audio: np.ndarray, cfg: FeatureConfig) -> np.ndarray:
         (FeatureConfig(), torch.float64, 1e-6),  # librosa keeps its filterbank in float32
         (FeatureConfig(16000, 80, 25.0, 10.0), torch.float64, 1e-6),
         (FeatureConfig(), torch.float32, 2e-3),
+        (FeatureConfig(normalize="band"), torch.float64, 1e-6),
+        (FeatureConfig(16000, 80, 25.0, 10.0, "band"), torch.float64, 1e-6),
     ],
-    ids=["8k-40-float64", "16k-80-float64", "8k-40-float32"],
+    ids=["8k-40-float64", "16k-80-float64", "8k-40-float32", "8k-40-band-float64", "16k-80-band-float64"],
 )
 def test_logmel_equals_librosa_on_real_speech(cfg, dtype, atol):
     rec = load_spoken_digits()
@@ -171,6 +174,8 @@ def test_feature_config_takes_numbers_of_any_kind_and_refuses_what_computes_noth
         ({"window_ms": float("nan")}, "window_ms in milliseconds"),
         ({"hop_ms": "10"}, "hop_ms in milliseconds"),
         ({"sample_rate": 100, "hop_ms": 1.0}, "hop_ms of at least one sample at 100 Hz, got 1.0"),
+        ({"normalize": "global"}, "normalize one of 'utterance', 'band', got 'global'"),
+        ({"normalize": None}, "normalize one of 'utterance', 'band', got None"),
     ]
     for settings, message in refused:
         with pytest.raises(ValueError, match=re.escape(f"FeatureConfig: expected {message}")):

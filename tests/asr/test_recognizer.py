@@ -47,7 +47,7 @@ def _utterances() -> tuple[torch.Tensor, ...]:
     return tuple(digits.render(u) for u in digits.plan(seed=0)[:8])
 
 
-def _model(cell: str = "gru", seed: int = 1) -> DeepSpeech2:
+def _model(cell: str = "gru", seed: int = 5) -> DeepSpeech2:
     """An untrained model whose outputs vary from frame to frame (a fresh one says one letter
     throughout): its batch norms hold statistics of real features, not the initial 0 and 1, and its
     output layer's weights are ten times their initial size."""
@@ -105,6 +105,24 @@ def test_transcripts_are_the_models_greedy_decoding_of_logmel(checkpoint):
     assert rec.transcribe_batch(audio, 8000) == expected
     # two identical channels are the mono recording
     assert [rec.transcribe(torch.stack([a, a]), 8000) for a in audio[:3]] == expected[:3]
+
+
+def test_a_checkpoint_from_before_normalize_computes_the_features_it_was_trained_on(tmp_path, checkpoint):
+    """Checkpoints made before FeatureConfig.normalize existed name no normalisation: their models were
+    trained on each band divided by its own standard deviation ("band"), not on the new default's."""
+    state = torch.load(checkpoint, weights_only=True)
+    assert state["feature_config"]["normalize"] == "utterance"
+    old = {k: v for k, v in state["feature_config"].items() if k != "normalize"}
+    path = tmp_path / "old.pt"
+    torch.save({**state, "feature_config": old}, path)
+    rec = Recognizer.from_checkpoint(path, fit_edges=False)
+    assert rec.features == FeatureConfig(normalize="band")
+    band = tmp_path / "band.pt"
+    torch.save({**state, "feature_config": {**old, "normalize": "band"}}, band)
+    audio = list(_utterances())
+    expected = _direct(band, audio)
+    assert [rec.transcribe(a, 8000) for a in audio] == expected
+    assert expected != _direct(checkpoint, audio)  # the two normalisations tell apart here
 
 
 @pytest.mark.parametrize("rate", [16000, 44100])
@@ -410,6 +428,7 @@ def _classify_checkpoint(path):
         ("bad-config", "does not make a recognizer"),
         ("no-hop", "does not make a recognizer: FeatureConfig: expected hop_ms in milliseconds, above 0"),
         ("no-rate", "does not make a recognizer: FeatureConfig: expected sample_rate a positive integer"),
+        ("bad-normalize", "does not make a recognizer: FeatureConfig: expected normalize one of 'utterance'"),
     ],
 )
 def test_checkpoints_that_are_not_recognizers_are_refused_naming_the_file(
@@ -434,8 +453,9 @@ def test_checkpoints_that_are_not_recognizers_are_refused_naming_the_file(
         torch.save({**state, "alphabet": "abc"}, path)
     elif case == "bad-config":
         torch.save({**state, "model_config": {**state["model_config"], "cell": "rnn"}}, path)
-    elif case in ("no-hop", "no-rate"):  # loaded, then a ZeroDivisionError at the first recording
-        setting = {"no-hop": {"hop_ms": 0.0}, "no-rate": {"sample_rate": 0}}[case]
+    elif case in ("no-hop", "no-rate", "bad-normalize"):  # no-hop, no-rate: a ZeroDivisionError later
+        setting = {"hop_ms": 0.0} if case == "no-hop" else {"sample_rate": 0} if case == "no-rate" else {}
+        setting = setting or {"normalize": 1}
         torch.save({**state, "feature_config": {**state["feature_config"], **setting}}, path)
     with pytest.raises(CheckpointError) as info:
         Recognizer.from_checkpoint(path)

@@ -316,7 +316,7 @@ def test_a_resume_names_the_options_whose_settings_differ():
     message = resume_mismatch(other, 4, state)
     for part in (
         "--hidden: checkpoint 128, now 64",
-        "--lr: checkpoint 0.05, now 0.1",
+        "--lr: checkpoint 0.03, now 0.1",
         "--test-speaker: checkpoint None, now 'theo'",
         "processes (--nproc x --nnodes): checkpoint 2, now 4",
     ):

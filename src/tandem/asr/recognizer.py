@@ -171,7 +171,8 @@ class Recognizer:
         state = load_checkpoint(path, map_location="cpu")
         try:
             config = ModelConfig(**state["model_config"])
-            features = FeatureConfig(**state["feature_config"])
+            # (a checkpoint made before FeatureConfig.normalize existed was trained on "band" features)
+            features = FeatureConfig(**{"normalize": "band", **state["feature_config"]})
             alphabet = Alphabet(state["alphabet"])
             # float32, the checkpoint's, whatever torch's default dtype (float64 made float64 layers), on the
             # CPU whatever the default device (torch.set_default_device), then moved to ``device``

@@ -95,7 +95,7 @@ class TrainConfig:
     # in 165-171 s of wall time, against 0.67 / 1.33 / 1.67% in 107-110 s with 32 (BENCHMARKS.md, train)
     epochs: int = 48
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float = 0.03
     warmup_steps: int = 50
     seed: int = 0
     test_speaker: str | None = None

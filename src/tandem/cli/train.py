@@ -56,7 +56,7 @@ DESCRIPTION = (
 
 # Options whose default depends on the task (None on the command line means "the task's default").
 DEFAULTS = {
-    "asr": {"hidden": 128, "layers": 3, "epochs": 48, "lr": 0.05, "batch_size": 32, "out": Path("runs/asr")},
+    "asr": {"hidden": 128, "layers": 3, "epochs": 48, "lr": 0.03, "batch_size": 32, "out": Path("runs/asr")},
     "classify": {
         "hidden": 64,
         "layers": 2,
@@ -91,7 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=epochs,
         help="epochs in total (default: asr 48, classify 20; with --resume, the run's own)",
     )
-    parser.add_argument("--lr", type=positive_float, help="Adagrad learning rate (default: 0.05)")
+    parser.add_argument(
+        "--lr", type=positive_float, help="Adagrad learning rate (default: asr 0.03, classify 0.05)"
+    )
     parser.add_argument(
         "--batch-size", type=positive_int, help="global batch, split over processes (default: 32)"
     )
