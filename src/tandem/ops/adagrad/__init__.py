@@ -194,9 +194,7 @@ def adagrad_unchecked(
         lists[2].append(s)
         lists[3].append(t)
 
-    # (the per-tensor path takes lr as a number: there a compiled step reads a tensor one, as torch's does)
-    plain_lr = float(lr.item()) if plain and isinstance(lr, Tensor) else lr
-    hyper = dict(lr=plain_lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
+    hyper = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize)
     if plain and (groups or len(plain) > 1):  # what the per-tensor path refuses, before anything moves
         refuse_early([params[i] for i in plain], [grads[i] for i in plain], [state_sums[i] for i in plain],
                       [state_steps[i] for i in plain], hyper)  # fmt: skip
@@ -281,10 +279,16 @@ def refuse_early(
     for p, g, s, t in zip(params, grads, sums, steps):
         if not g.is_sparse and (g.shape != p.shape or g.dtype != p.dtype or s.shape != p.shape):
             stand_ins = [torch.zeros_like(x, memory_format=torch.preserve_format) for x in (p, g, s)]
-            if isinstance(hyper["lr"], Tensor):  # (a compiled step's: the per-tensor path takes a number)
-                hyper = {**hyper, "lr": float(hyper["lr"].item())}
+            hyper = _number_lr(hyper)
             with torch.no_grad():
                 adagrad_tensor_ref(*stand_ins, float(t) + 1, **hyper)
+
+
+def _number_lr(hyper: dict) -> dict:
+    """``hyper`` with ``lr`` a number, as the per-tensor path's ops take it: a compiled step hands a tensor
+    ``lr`` on (see :func:`hyperparameters`), read here, where torch's per-tensor update reads it too."""
+    lr = hyper["lr"]
+    return {**hyper, "lr": float(lr.item())} if isinstance(lr, Tensor) else hyper
 
 
 def _plain_step(
@@ -300,6 +304,7 @@ def _plain_step(
     track: bool,
 ) -> list[Tensor]:
     """Per-tensor PyTorch path (sparse gradients, differentiable steps) with the fused path's AMP rules."""
+    hyper = _number_lr(hyper)
     # Reading found_inf syncs with the device; this path is the rare one (torch's fused kernels refuse it).
     if found_inf is not None and found_inf.item() == 1.0:
         return [torch.zeros((), dtype=torch.float32, device=params[0].device)] if track else []
