@@ -454,8 +454,9 @@ def test_checkpoints_that_are_not_recognizers_are_refused_naming_the_file(
     elif case == "bad-config":
         torch.save({**state, "model_config": {**state["model_config"], "cell": "rnn"}}, path)
     elif case in ("no-hop", "no-rate", "bad-normalize"):  # no-hop, no-rate: a ZeroDivisionError later
-        setting = {"hop_ms": 0.0} if case == "no-hop" else {"sample_rate": 0} if case == "no-rate" else {}
-        setting = setting or {"normalize": 1}
+        setting = {
+            "no-hop": {"hop_ms": 0.0}, "no-rate": {"sample_rate": 0}, "bad-normalize": {"normalize": 1}
+        }[case]  # fmt: skip
         torch.save({**state, "feature_config": {**state["feature_config"], **setting}}, path)
     with pytest.raises(CheckpointError) as info:
         Recognizer.from_checkpoint(path)
