@@ -9,6 +9,7 @@ instance of every launch in Python.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import re
@@ -415,6 +416,32 @@ def test_triton_kernel_layer_stack_under_autocast_is_the_float16_stack(cell, mod
         empty, _ = ours(x[:, :0])
     assert empty.dtype == torch.float16 and empty.shape == (4, 0, 12)
     torch.testing.assert_close(got, half(x.half()), rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("time_loop", ["per-step", "persistent"])
+@pytest.mark.parametrize("cell", ["GRU", "LSTM"])
+def test_triton_kernel_under_another_default_device_as_without_it(cell, time_loop, monkeypatch):
+    """Under ``torch.set_default_device`` (or the ``torch.device`` context; "meta" stands in for another
+    device) a batch's forward and backward compute on the tensors' device as they do without: the layers
+    made a batch's step sizes on the default device. Both cells, both time loops."""
+    from tandem.ops.gru import triton as gru_triton
+    from tandem.ops.lstm import triton as lstm_triton
+
+    for module in (gru_triton, lstm_triton):
+        monkeypatch.setattr(module, "TIME_LOOP", time_loop)
+    torch.manual_seed(0)
+    layer = getattr(tandem.nn, cell)(INPUT, 6, num_layers=2, bidirectional=True).to(TRITON_DEVICE)
+    data = torch.randn(5, 3, INPUT, device=TRITON_DEVICE)
+    runs = []
+    for default in (None, torch.device("meta")):
+        layer.zero_grad()
+        x = data.clone().requires_grad_()
+        with torch.device(default) if default else contextlib.nullcontext():
+            out, _ = layer(x)
+            out.square().sum().backward()
+        runs.append((out, x.grad, [p.grad.clone() for p in layer.parameters()]))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
 
 
 @needs_triton
