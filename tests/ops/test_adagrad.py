@@ -238,14 +238,14 @@ def test_triton_kernel_matches_reference(hyper, dtype, atol):
 @needs_triton
 def test_triton_kernel_optimizer_under_another_default_device_as_torch():
     """Under ``torch.set_default_device`` (or the ``torch.device`` context; "meta" stands in for another
-    device) tandem.optim.Adagrad's step computes on its tensors' device as torch's fused one does: the
+    device) tandem.optim.Adagrad's step computes on its tensors' device as torch's does: the
     kernel's chunk and group tables were made on the default device."""
     from tandem.optim import Adagrad
 
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen).to(TRITON_DEVICE) for s in [(3,), (70,)]]
     ps = [[torch.nn.Parameter(x.clone()) for x in init] for _ in range(2)]
-    opts = Adagrad(ps[0], lr=0.1, tol=1e-3), torch.optim.Adagrad(ps[1], lr=0.1, fused=True)
+    opts = Adagrad(ps[0], lr=0.1, tol=1e-3), torch.optim.Adagrad(ps[1], lr=0.1, foreach=False)
     for _ in range(2):
         grads = [torch.randn(x.shape, generator=gen).to(TRITON_DEVICE) for x in init]
         for group, opt in zip(ps, opts):
