@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,12 @@ import json, os, time
 import torch
 from tandem.asr.distributed import Group
 
+# both ranks start Group together: its 1 s timeout bounds the rendezvous too, and a rank that imported
+# torch over a second later than the other (a loaded machine) failed there, printing nothing
+open(os.path.join(os.environ["READY"], os.environ["RANK"]), "w").close()
+deadline = time.monotonic() + 50
+while len(os.listdir(os.environ["READY"])) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
 group = Group(torch.device("cpu"), timeout=1.0)  # the smallest --timeout
 
 def compute():
@@ -40,7 +48,9 @@ except Exception as e:
 
 def _two_ranks(mode: str) -> list[list]:
     """What each rank of a 2-process group printed: ["ok", result] or [exception type, message]."""
+    ready = tempfile.mkdtemp(prefix="tandem-group-")
     env = dict(os.environ, MODE=mode, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    env["READY"] = ready
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH"))))
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     procs = [
@@ -55,6 +65,7 @@ def _two_ranks(mode: str) -> list[list]:
         for p in procs:
             p.kill()
             p.wait(10)
+        shutil.rmtree(ready, ignore_errors=True)
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
