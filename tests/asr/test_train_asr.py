@@ -121,6 +121,7 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
         (("--data", "x.npz"), "--data: only for --task classify"),
         (("--warmup-steps", "-1"), "--warmup-steps: expected a number >= 0, got -1"),
         (("--task", "classify", "--test-speaker", "theo"), "--test-speaker: only for --task asr"),
+        (("--task", "classify", "--normalize", "band"), "--normalize: only for --task asr"),
         (("--seed", "-1"), "--seed: expected a seed from 0 to 4294967295, got -1"),
         # a typo that ended in an allocation traceback after the launch
         (
@@ -321,6 +322,38 @@ def test_a_resume_names_the_options_whose_settings_differ():
         "processes (--nproc x --nnodes): checkpoint 2, now 4",
     ):
         assert part in message, message
+
+
+def test_a_run_from_before_normalize_resumes_with_its_options():
+    """A checkpoint from before FeatureConfig.normalize (its features name none: they were "band") and the
+    learning rate of then (0.05): ``--normalize band --lr 0.05`` resumes it, and without them the refusal
+    names both options. It was refused whatever was given ("features.normalize: checkpoint None"), and
+    tandem train had no option for the features."""
+    import argparse
+
+    from tandem.asr.features import NORMALIZATIONS
+    from tandem.asr.training import resume_mismatch
+    from tandem.cli import train as cli_train
+
+    parser = argparse.ArgumentParser()
+    cli_train.add_arguments(parser)
+
+    def config(*args: str):
+        return cli_train.asr_config(cli_train._with_defaults(parser.parse_args(args)))
+
+    before = config("--lr", "0.05").to_dict()
+    del before["features"]["normalize"]
+    state = {"train_config": before, "world_size": 2, "epoch": 1, "position": 0}
+    assert resume_mismatch(config("--normalize", "band", "--lr", "0.05"), 2, state) is None
+    message = resume_mismatch(config(), 2, state)
+    for part in ("--normalize: checkpoint 'band', now 'utterance'", "--lr: checkpoint 0.05, now 0.03"):
+        assert part in message, message
+    assert (
+        config().features.normalize == "utterance"
+        and config("--normalize", "band").features.normalize == "band"
+    )
+    normalize = next(a for a in cli_train._train_parser_actions() if a.dest == "normalize")
+    assert tuple(normalize.choices) == NORMALIZATIONS
 
 
 def test_the_error_curve_draws_epochs_at_zero_percent(tmp_path, monkeypatch):

@@ -156,6 +156,7 @@ _OPTION_OF_SETTING = {
     "model.n_classes": "--alphabet (its size)",
     "batch_size": "--batch-size",
     "lr": "--lr",
+    "features.normalize": "--normalize",
     "warmup_steps": "--warmup-steps",
     "seed": "--seed",
     "test_speaker": "--test-speaker",
@@ -172,6 +173,8 @@ def resume_mismatch(config: TrainConfig, world_size: int, state: dict[str, Any])
     option (it said "model.hidden", "processes")."""
     ours = _flat(config.resume_keys())
     theirs = _flat({k: v for k, v in state.get("train_config", {}).items() if k != "epochs"})
+    if "features.sample_rate" in theirs:  # a run from before FeatureConfig.normalize trained on "band"
+        theirs.setdefault("features.normalize", "band")
     differ = [
         f"{_OPTION_OF_SETTING.get(k, k)}: checkpoint {theirs.get(k)!r}, now {v!r}"
         for k, v in ours.items()

@@ -139,6 +139,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--conv-channels", type=positive_int, default=16, help="channels of the convolutions (default: 16)"
     )
     asr.add_argument(
+        "--normalize",
+        choices=("utterance", "band"),
+        default="utterance",
+        help="how the log-mel bands are scaled once each band's mean over the utterance is taken away: "
+        "utterance (default), by one standard deviation over the utterance's bands and frames; band, each "
+        "by its own (tandem's features before this option existed: to resume a run trained on them)",
+    )
+    asr.add_argument(
         "--train-manifest",
         type=nonempty_path,
         metavar="JSONL",
@@ -472,7 +480,15 @@ def _check_task_options(args: argparse.Namespace) -> str | None:
 
 
 # Speech options besides those checked by name above (manifests, --alphabet, --test-speaker)
-_ASR_ONLY = ("augment", "warmup_steps", "checkpoint_every", "keep_checkpoints", "conv_channels", "workers")
+_ASR_ONLY = (
+    "augment",
+    "warmup_steps",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "conv_channels",
+    "normalize",
+    "workers",
+)
 
 
 def _check_asr_model_size(args: argparse.Namespace) -> str | None:
@@ -551,6 +567,7 @@ def _check_alphabet(extra: str) -> str | None:
 
 def asr_config(args: argparse.Namespace):
     """The :class:`tandem.asr.training.TrainConfig` of ``tandem train --task asr`` options."""
+    from tandem.asr.features import FeatureConfig
     from tandem.asr.model import ModelConfig
     from tandem.asr.text import ENGLISH, Alphabet
     from tandem.asr.training import TrainConfig
@@ -570,6 +587,7 @@ def asr_config(args: argparse.Namespace):
             layers=args.layers,
             conv_channels=args.conv_channels,
         ),
+        features=FeatureConfig(normalize=args.normalize),
         alphabet=alphabet.characters,
         **manifests,
         epochs=args.epochs,
