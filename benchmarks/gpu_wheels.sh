@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite's packages that the lent GPU's image lacks (soundfile, jiwer, librosa, expecttest, onnx,
 # onnxruntime and what they need: ~42 MB), as wheels for its Python 3.12, into .whl/ (git-ignored). Run
-# here, where pip reaches PyPI; a device call carries them (carry: [".whl"]) and `PARTS=suite bash benchmarks/gpu_session.sh` installs
-# them there before running the whole suite under the image's torch (2.11).
+# here, where pip reaches PyPI; a device call carries them (carry: [".whl"]) and
+# `PARTS=suite bash benchmarks/gpu_session.sh` installs them there before running the whole suite under
+# the image's torch (2.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 platforms=()
