@@ -15,7 +15,15 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-__all__ = ["FeatureConfig", "LogMel", "mel_filterbank", "resample", "hz_to_mel", "mel_to_hz"]
+__all__ = [
+    "FeatureConfig",
+    "LogMel",
+    "mel_filterbank",
+    "resample",
+    "hz_to_mel",
+    "mel_to_hz",
+    "saved_feature_settings",
+]
 
 
 def hz_to_mel(hz: Tensor | float) -> Tensor:
@@ -65,6 +73,12 @@ def _whole(value: numbers.Real) -> bool:
 
 # How LogMel normalises an utterance's log-mel bands, after taking each band's mean over its frames away
 NORMALIZATIONS = ("utterance", "band")
+
+
+def saved_feature_settings(settings: dict) -> dict:
+    """A checkpoint's feature settings as :class:`FeatureConfig` takes them: one saved before ``normalize``
+    existed names none, and was trained on ``"band"`` features."""
+    return {"normalize": "band", **settings}
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch import Tensor
 from tandem.asr.audio import AudioError, AudioSource, first_line, read_audio, source_name, to_model_input
 from tandem.asr.checkpoint import CheckpointError, load_checkpoint
 from tandem.asr.decode import greedy_decode
-from tandem.asr.features import FeatureConfig, LogMel
+from tandem.asr.features import FeatureConfig, LogMel, saved_feature_settings
 from tandem.asr.model import TANDEM_PARTS, TORCH_PARTS, DeepSpeech2, ModelConfig
 from tandem.asr.text import Alphabet
 
@@ -171,8 +171,7 @@ class Recognizer:
         state = load_checkpoint(path, map_location="cpu")
         try:
             config = ModelConfig(**state["model_config"])
-            # (a checkpoint made before FeatureConfig.normalize existed was trained on "band" features)
-            features = FeatureConfig(**{"normalize": "band", **state["feature_config"]})
+            features = FeatureConfig(**saved_feature_settings(state["feature_config"]))
             alphabet = Alphabet(state["alphabet"])
             # float32, the checkpoint's, whatever torch's default dtype (float64 made float64 layers), on the
             # CPU whatever the default device (torch.set_default_device), then moved to ``device``

@@ -52,7 +52,7 @@ from tandem.asr.distributed import (
     rank_threads,
     torchrun_int,
 )
-from tandem.asr.features import FeatureConfig, LogMel
+from tandem.asr.features import FeatureConfig, LogMel, saved_feature_settings
 from tandem.asr.generator import ConnectedDigits, Utterance, split_recordings
 from tandem.asr.interrupt import (
     LoaderWorkerInit,
@@ -172,9 +172,10 @@ def resume_mismatch(config: TrainConfig, world_size: int, state: dict[str, Any])
     ``state`` (every setting but the number of epochs must agree), or None; each setting named by its
     option (it said "model.hidden", "processes")."""
     ours = _flat(config.resume_keys())
-    theirs = _flat({k: v for k, v in state.get("train_config", {}).items() if k != "epochs"})
-    if "features.sample_rate" in theirs:  # a run from before FeatureConfig.normalize trained on "band"
-        theirs.setdefault("features.normalize", "band")
+    saved = {k: v for k, v in state.get("train_config", {}).items() if k != "epochs"}
+    if isinstance(saved.get("features"), dict):
+        saved["features"] = saved_feature_settings(saved["features"])
+    theirs = _flat(saved)
     differ = [
         f"{_OPTION_OF_SETTING.get(k, k)}: checkpoint {theirs.get(k)!r}, now {v!r}"
         for k, v in ours.items()
