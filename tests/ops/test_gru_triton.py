@@ -434,10 +434,10 @@ def test_triton_kernel_under_another_default_device_as_without_it(cell, time_loo
     layer = getattr(tandem.nn, cell)(INPUT, 6, num_layers=2, bidirectional=True).to(TRITON_DEVICE)
     data = torch.randn(5, 3, INPUT, device=TRITON_DEVICE)
     runs = []
-    for default in (None, torch.device("meta")):
+    for default_device in (contextlib.nullcontext(), torch.device("meta")):
         layer.zero_grad()
         x = data.clone().requires_grad_()
-        with torch.device(default) if default else contextlib.nullcontext():
+        with default_device:
             out, _ = layer(x)
             out.square().sum().backward()
         runs.append((out, x.grad, [p.grad.clone() for p in layer.parameters()]))
