@@ -31,6 +31,15 @@ def _python(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_import_tandem_leaves_torch_dynamo_to_first_use():
+    """torch._dynamo (~0.7 s of a ~1.7 s import here) waits for what needs it: torch.compile, an optimizer,
+    a custom op's first call (torch's dispatch imports it). `tandem train`'s launcher, which runs none of
+    them, starts its ranks that much sooner."""
+    done = _python("-c", "import sys, tandem; print('torch._dynamo' in sys.modules)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 @pytest.fixture
 def fake_op():
     """A tiny two-provider op in the registry for one test; the registry is restored afterwards."""

@@ -7,7 +7,7 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import tandem
-from tandem.ops.lstm.onednn import torch_runs_onednn_when_packed_uniform
+from tandem.ops.lstm.onednn import _onednn_enabled, torch_runs_onednn_when_packed_uniform
 
 
 @pytest.mark.parametrize("proj_size", [0, 3])
@@ -233,6 +233,18 @@ def test_torch_compile_fullgraph_equals_eager(backend: str, proj_size: int, tmp_
     torch.testing.assert_close(got, eager)
     for a, b in zip(got_grads, eager_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_the_onednn_query_is_marked_constant_as_torch_compiler_marks_a_function():
+    """tandem marks the query itself rather than import torch._dynamo at ``import tandem`` (the test above
+    is what fails where Dynamo ignores the mark): the mark must be all torch's decorator sets, on the
+    function itself."""
+
+    def query() -> bool:
+        return True
+
+    assert torch.compiler.assume_constant_result(query) is query
+    assert vars(_onednn_enabled) == vars(query) != {}
 
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "mkldnn_rnn_layer")

@@ -539,6 +539,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._last_stats: DDPStats | None = None
         self._unreachable: list[int] = []
         self._leaf_output_hooks: list[Any] = []
+        self._output_grad_hook = _output_grad_hook_not_traced()  # here: dynamo would trace the first call
         self._warned_create_graph = False
         self._used_since_sync = bytearray(n)
         self._used_counts: Tensor | None = None  # the last used-parameter map, as reduced
@@ -738,7 +739,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 handle.remove()
             self._leaf_output_hooks = []
             for t in tensors:
-                handle = t.register_hook(functools.partial(_output_grad_hook, me))
+                handle = t.register_hook(functools.partial(self._output_grad_hook, me))
                 if t.grad_fn is None:
                     self._leaf_output_hooks.append(handle)
         return output
@@ -1521,13 +1522,19 @@ def _grad_ready_hook(ref: weakref.ref, i: int, param: Tensor, *node_grads: Any) 
         ddp._grad_ready(i, param)
 
 
-# Host-side bookkeeping: under torch.compile(DistributedDataParallel(model)) dynamo would trace this hook
-# on the outputs into the backward and warn of its time.perf_counter, a warning torch's DDP never draws.
-@torch.compiler.disable
 def _output_grad_hook(ref: weakref.ref, grad: Tensor) -> None:
     ddp = ref()
     if ddp is not None and ddp._expect_hooks and not ddp._in_backward:
         ddp._begin_backward()
+
+
+@functools.cache
+def _output_grad_hook_not_traced() -> Callable[[weakref.ref, Tensor], None]:
+    """Host-side bookkeeping: under torch.compile(DistributedDataParallel(model)) dynamo would trace the
+    hook on the outputs into the backward and warn of its time.perf_counter, a warning torch's DDP never
+    draws. Made by the first wrapper, not at import: torch.compiler.disable imports torch._dynamo (0.7 s of
+    ``import tandem``)."""
+    return torch.compiler.disable(_output_grad_hook)
 
 
 def _bucket_done(ref: weakref.ref | None, bucket: _Bucket, fut: Future) -> None:

@@ -57,7 +57,16 @@ def torch_runs_onednn(x: Tensor, ragged: bool, proj_size: int) -> bool:
     )
 
 
-@torch.compiler.assume_constant_result  # torch.compile cannot trace the query: its value when traced
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo, which that function
+    does (0.8 s of ``import tandem``; a process that runs no op, as ``tandem train``'s launcher, never
+    needs it): the marker it sets, which Dynamo reads when it traces a call of ``fn``. A test checks that
+    torch's decorator sets no more than this."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result  # torch.compile cannot trace the query: its value when traced
 def _onednn_enabled() -> bool:
     """``torch.backends.mkldnn.enabled`` (``flags(enabled=False)`` turns it off)."""
     return torch._C._get_mkldnn_enabled()
