@@ -612,6 +612,59 @@ def test_hyperparameters_torch_refuses_raise_its_error_before_any_change(key, va
     assert all(opt.state[p]["step"].item() == 0 for p in (a, b))
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128]
+)
+@pytest.mark.parametrize(
+    "hyper",
+    [{"lr": 1e39}, {"lr": 1e5}, {"weight_decay": 1e39}, {"weight_decay": 1e5}, {"eps": 1e39}],
+    ids=["lr-1e39", "lr-1e5", "weight-decay-1e39", "weight-decay-1e5", "eps-1e39"],
+)
+def test_numbers_beyond_a_dtypes_range_step_or_raise_as_torchs_default(dtype, hyper):
+    """Whether torch's ops take a number depends on the tensor's dtype: an lr of 1e39 steps a float64
+    parameter (to -1e39) and overflows a float32 one's update; a weight decay of 1e5 overflows float16's
+    alone. tandem tried them as for float32 whatever the dtype: it refused float64 updates torch makes, and
+    named float where torch names c10::Half. What torch refuses, tandem refuses with its error before
+    anything changes (torch's update has counted the step by then)."""
+
+    def make(cls):
+        a = torch.nn.Parameter(torch.linspace(1, 2, 3, dtype=dtype))
+        b = torch.nn.Parameter(torch.linspace(-1, 1, 4, dtype=dtype))
+        opt = cls([{"params": [a]}, {"params": [b], **hyper}], lr=0.1)
+        a.grad, b.grad = torch.ones_like(a), torch.full_like(b, 0.5)
+        return opt, a, b
+
+    theirs, mine = make(torch.optim.Adagrad), make(Adagrad)
+    raised = _raised(theirs[0].step)
+    assert _raised(mine[0].step) == raised
+    if raised is None:
+        for got, want in zip(mine[1:], theirs[1:]):  # (the dtype's tolerance: Triton rounds halves once)
+            torch.testing.assert_close(got.detach(), want.detach(), equal_nan=True)
+    else:
+        opt, a, b = mine
+        assert torch.equal(a.detach(), torch.linspace(1, 2, 3, dtype=dtype))
+        assert all(opt.state[p]["step"].item() == 0 for p in (a, b))
+
+
+def test_an_lr_that_overflows_at_step_1_and_not_at_the_parameters_step_steps_as_torchs_default():
+    """``clr = lr / (1 + (step - 1) * lr_decay)``: an lr of 1e39 set at step 11 with lr_decay 1 moves a
+    float32 parameter by 9.1e37, which float32 holds; torch steps, and so does tandem."""
+
+    def run(cls):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+        opt = cls([p], lr=0.1, lr_decay=1.0)
+        for t in range(11):
+            if t == 10:
+                opt.param_groups[0]["lr"] = 1e39
+            p.grad = torch.cos(p.detach() * (t + 1))
+            opt.step()
+        return p.detach()
+
+    got, want = run(Adagrad), run(torch.optim.Adagrad)
+    assert got.abs().min() > 1e37
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 def test_a_gradient_of_another_dtype_steps_as_torchs_default():
     """A float64 gradient set through ``.data`` on a float32 parameter (master-weight code): torch's
     per-tensor ops promote it; tandem takes them for that parameter, bit for bit."""

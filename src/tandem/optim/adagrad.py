@@ -372,8 +372,9 @@ class Adagrad(Optimizer):
                     )
                 # read as torch's update reads them; what it refuses, with its error, before any group moves
                 hyper = hyperparameters(
-                    lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"]
-                )
+                    lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"],
+                    zip(params, grads, sums, steps),
+                )  # fmt: skip
                 work.append((group, hyper, params, grads, sums, steps))
 
         if len(work) > 1:  # (one group's are tried by the update itself, before it moves anything)

@@ -411,8 +411,9 @@ class ZeroAdagrad(Optimizer):
             if ps:
                 # read as torch's update reads them; what it refuses, with its error, before any group moves
                 hyper = hyperparameters(
-                    group["lr"], group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"]
-                )
+                    group["lr"], group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"],
+                    zip(ps, gs, ss, ts),
+                )  # fmt: skip
                 work.append((hyper, ps, gs, ss, ts))
         return work
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor
 from torch.nn import Parameter
@@ -19,16 +21,23 @@ __all__ = [
     "step_device",
 ]
 
-_PROBE = torch.empty(0)
-
 
 def hyperparameters(
-    lr: float | Tensor, lr_decay: float, weight_decay: float, eps: float, maximize: bool
+    lr: float | Tensor,
+    lr_decay: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    tensors: Iterable[tuple[Tensor, Tensor, Tensor, Tensor]] = (),
 ) -> tuple[float | Tensor, float, float, float, bool]:
     """``lr``, ``lr_decay``, ``weight_decay``, ``eps`` as floats and ``maximize`` as a bool, read as
     torch's per-tensor update reads them: a tensor ``lr`` by its value, a ``Fraction`` or numpy number
     by Python's arithmetic with a float, ``maximize`` by its truth value. What that update refuses raises
     its error here, before any tensor changes (the kernels take floats and a bool only).
+
+    ``tensors`` are the ``(param, grad, state_sum, step)`` the update is for: whether torch's ops take a
+    number depends on their dtypes (an ``lr`` of 1e39 overflows a float32 parameter's update, not a
+    float64 one's). Without them the numbers are tried as for float64 tensors.
 
     Under ``torch.compile`` a real tensor ``lr`` stays a tensor, read by the op when it runs: reading it
     here would make the compiled step depend on its value, and recompile at every change an LR scheduler
@@ -44,19 +53,62 @@ def hyperparameters(
         if torch.compiler.is_compiling() and not lr.is_complex():
             # its dtype decides what torch's update makes of it; a number of that kind stands in for it
             kind = bool if lr.dtype == torch.bool else float if lr.is_floating_point() else int
-            _, *rest = hyperparameters(kind(1), lr_decay, weight_decay, eps, maximize)
+            _, *rest = hyperparameters(kind(1), lr_decay, weight_decay, eps, maximize, tensors)
             return (lr, *rest)
         lr = lr.item()  # as torch's for-loop path, which passes it on as a Python number
+    _refuse_as_torch(dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize),
+                     list(tensors))  # fmt: skip
     maximize = bool(maximize)
-    # torch's ops on nothing: its clr = lr / (1 + (step - 1) * lr_decay), its addcdiv_ value, eps, alpha
-    clr = lr / (1 + 0.0 * lr_decay)
-    _PROBE.addcdiv(_PROBE, _PROBE, value=-clr)
-    _PROBE.add_(eps)
-    if weight_decay != 0:
-        _PROBE.add(_PROBE, alpha=weight_decay)
     if isinstance(lr, complex):  # one torch's addcdiv_ took: its imaginary part is 0
         lr = lr.real
     return float(lr), float(lr_decay), float(weight_decay), float(eps), maximize
+
+
+_TAKEN: set = set()  # the numbers and kinds of tensors _refuse_as_torch saw taken at step 1
+
+
+def _refuse_as_torch(hyper: dict, tensors: list[tuple[Tensor, Tensor, Tensor, Tensor]]) -> None:
+    """Raise what torch's per-tensor update raises for these numbers, in the order its ops raise it: its
+    ops run on one-element stand-ins of each kind of tensor (the dtypes and the gradient's layout decide
+    which numbers an op takes), at step 1. At a later step ``clr = lr / (1 + (step - 1) * lr_decay)``
+    may be smaller than ``lr``: where step 1 is refused, each tensor is tried in order at its own next
+    step, which reads the step counts (from the device), as torch's update does."""
+    kinds = tuple(dict.fromkeys(_kind(p, g, s) for p, g, s, _ in tensors)) or (
+        (torch.float64,) * 3 + (False,),
+    )
+    plain = all(type(v) in (float, int, bool) for v in hyper.values())
+    key = (tuple((type(v), v) for v in hyper.values()), kinds) if plain else None
+    if key is not None and key in _TAKEN:  # (trying costs ~13 us a group a step; these were taken before)
+        return
+    try:
+        for kind in kinds:
+            _try_on_stand_ins(kind, 1.0, hyper)
+        if key is not None:
+            if len(_TAKEN) >= 64:
+                _TAKEN.clear()
+            _TAKEN.add(key)
+    except Exception:
+        if not tensors:
+            raise
+        for p, g, s, t in tensors:
+            _try_on_stand_ins(_kind(p, g, s), float(t) + 1, hyper)
+
+
+def _kind(p: Tensor, g: Tensor, s: Tensor) -> tuple[torch.dtype, torch.dtype, torch.dtype, bool]:
+    return p.dtype, g.dtype, s.dtype, g.is_sparse
+
+
+def _try_on_stand_ins(
+    kind: tuple[torch.dtype, torch.dtype, torch.dtype, bool], step: float, hyper: dict
+) -> None:
+    p_dtype, g_dtype, s_dtype, sparse = kind
+    p, s = torch.zeros(1, dtype=p_dtype), torch.zeros(1, dtype=s_dtype)
+    if sparse:
+        g = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=g_dtype), (1,))
+    else:
+        g = torch.zeros(1, dtype=g_dtype)
+    with torch.no_grad():
+        adagrad_tensor_ref(p, g, s, step, **hyper)
 
 
 def step_device(device: torch.device) -> torch.device:
@@ -113,7 +165,9 @@ def adagrad(
         )
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
         _check(i, p, g, s, t)
-    lr, lr_decay, weight_decay, eps, maximize = hyperparameters(lr, lr_decay, weight_decay, eps, maximize)
+    lr, lr_decay, weight_decay, eps, maximize = hyperparameters(
+        lr, lr_decay, weight_decay, eps, maximize, zip(params, grads, state_sums, state_steps)
+    )
     return adagrad_unchecked(
         params,
         grads,
