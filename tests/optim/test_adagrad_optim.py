@@ -665,6 +665,30 @@ def test_an_lr_that_overflows_at_step_1_and_not_at_the_parameters_step_steps_as_
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("lr_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lr_decay", [0.05, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_half_precision_tensor_lr_steps_as_torchs_default_to_the_bit(lr_dtype, lr_decay, dtype):
+    """torch's per-tensor update divides a tensor lr itself, ``lr / (1 + (step - 1) * lr_decay)``: its clr
+    is rounded to lr's dtype. tandem read the lr as a float and divided in float64: with lr_decay, a
+    relative 2e-4 (float16) and 4e-3 (bfloat16) away from torch after 4 steps."""
+
+    def run(cls):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6, dtype=dtype))
+        q = torch.nn.Parameter(torch.linspace(0, 2, 5, dtype=dtype))
+        opt = cls([p, q], lr=torch.tensor([0.1], dtype=lr_dtype), lr_decay=lr_decay)
+        for t in range(4):
+            p.grad, q.grad = torch.cos(p.detach() * (t + 1)), torch.sin(q.detach() * (t + 1))
+            opt.step()
+        return p.detach(), q.detach(), opt.state[p]["sum"]
+
+    for got, want in zip(run(Adagrad), run(torch.optim.Adagrad)):
+        if lr_decay == 0 and dtype == torch.float32:  # the fused kernel: its last bits
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+        else:
+            assert torch.equal(got, want)
+
+
 def test_a_gradient_of_another_dtype_steps_as_torchs_default():
     """A float64 gradient set through ``.data`` on a float32 parameter (master-weight code): torch's
     per-tensor ops promote it; tandem takes them for that parameter, bit for bit."""

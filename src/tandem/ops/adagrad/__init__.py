@@ -55,13 +55,31 @@ def hyperparameters(
             kind = bool if lr.dtype == torch.bool else float if lr.is_floating_point() else int
             _, *rest = hyperparameters(kind(1), lr_decay, weight_decay, eps, maximize, tensors)
             return (lr, *rest)
-        lr = lr.item()  # as torch's for-loop path, which passes it on as a Python number
+        # torch's per-tensor update keeps a tensor lr (squeezed) and divides it by 1 + (step - 1) *
+        # lr_decay: its clr is rounded to lr's dtype. In float16 and bfloat16 that is up to a relative
+        # 2e-4 and 4e-3 from the float the kernels would compute, so such an lr stays a tensor, which
+        # sends the update the per-tensor way (see _rounds_clr); float32's rounding is its last bit
+        tensor_lr = lr.reshape(()) if lr.dtype in _HALF else None
+        lr = lr.item()
+    else:
+        tensor_lr = None
     _refuse_as_torch(dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize),
                      list(tensors))  # fmt: skip
     maximize = bool(maximize)
     if isinstance(lr, complex):  # one torch's addcdiv_ took: its imaginary part is 0
         lr = lr.real
+    if tensor_lr is not None and lr_decay != 0:
+        return tensor_lr, float(lr_decay), float(weight_decay), float(eps), maximize
     return float(lr), float(lr_decay), float(weight_decay), float(eps), maximize
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _rounds_clr(lr: float | Tensor, lr_decay: float) -> bool:
+    """Whether ``lr`` is a tensor whose dtype rounds torch's ``clr`` by more than float32's last bit (see
+    :func:`hyperparameters`): the per-tensor path computes it as torch does, from the tensor."""
+    return isinstance(lr, Tensor) and lr.dtype in _HALF and lr_decay != 0
 
 
 _TAKEN: set = set()  # the numbers and kinds of tensors _refuse_as_torch saw taken at step 1
@@ -222,10 +240,11 @@ def adagrad_unchecked(
     # is not checked here, where that costs 0.2 us a parameter a step, its size 0.05.)
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
     plain: list[int] = []
+    all_plain = differentiable or (_rounds_clr(lr, lr_decay) and not torch.compiler.is_compiling())
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
         check_state_device(i, p, s, t)
         if (
-            differentiable
+            all_plain
             or g.is_sparse
             or not (type(p) is Parameter or type(p) is Tensor)
             or g.dtype != p.dtype
@@ -340,9 +359,12 @@ def refuse_early(
 
 def _number_lr(hyper: dict) -> dict:
     """``hyper`` with ``lr`` a number, as the per-tensor path's ops take it: a compiled step hands a tensor
-    ``lr`` on (see :func:`hyperparameters`), read here, where torch's per-tensor update reads it too."""
+    ``lr`` on (see :func:`hyperparameters`), read here. A float16 or bfloat16 one with ``lr_decay`` stays
+    a tensor, as in torch's per-tensor update, whose ``clr`` is rounded to its dtype."""
     lr = hyper["lr"]
-    return {**hyper, "lr": float(lr.item())} if isinstance(lr, Tensor) else hyper
+    if not isinstance(lr, Tensor) or _rounds_clr(lr, hyper["lr_decay"]):
+        return hyper
+    return {**hyper, "lr": float(lr.item())}
 
 
 def _plain_step(
