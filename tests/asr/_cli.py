@@ -47,6 +47,18 @@ def tandem(
     )
 
 
+def tandem_in_process(*args: str) -> int:
+    """``tandem train ARGS`` in this process, its exit status: for refusals, which end before anything
+    starts (a process of its own takes ~1.5 s, most of it importing tandem). Read its output with
+    ``capsys``, which leaves the CLI's stream wrappers out (they wrap streams with a file descriptor)."""
+    from tandem.cli.main import main
+
+    try:
+        return main(["train", *ON_CPU, *args])
+    except SystemExit as e:  # argparse's errors
+        return e.code
+
+
 def start(*args: str, log: Path) -> subprocess.Popen:
     """``tandem train ARGS`` in the background (its own session), output to ``log``."""
     with open(log, "w") as f:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli import free_port, tandem
+from _cli import free_port, tandem, tandem_in_process
 
 import tandem.asr.training as training
 from tandem.asr.checkpoint import load_checkpoint
@@ -165,9 +165,19 @@ def test_without_matplotlib_and_tensorboard_the_closing_line_names_only_what_was
         (("--alphabet", "é\t\u00a0"), "--alphabet: whitespace in transcripts becomes one space"),
     ],
 )
-def test_bad_options_are_refused_before_anything_is_written(tmp_path, args, message):
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, capsys, args, message):
+    """In this process (a refusal ends before anything starts; test_a_bad_option_is_refused_by_the_command
+    runs one through the command itself)."""
     out = tmp_path / "out"
-    done = tandem(*args, "--out", str(out), timeout=60)
+    code = tandem_in_process(*args, "--out", str(out))
+    assert code == 2 and message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_bad_option_is_refused_by_the_command(tmp_path):
+    out = tmp_path / "out"
+    done = tandem("--seed", "-1", "--out", str(out), timeout=60)
+    message = "--seed: expected a seed from 0 to 4294967295, got -1"
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()
 
