@@ -19,10 +19,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+# The tests run in two parts: most in TEST_WORKERS pytest-xdist workers of one thread each (a test file
+# stays in one worker), then those that start groups of processes or bound their time (marked serial,
+# tests/conftest.py) alone. Status 5, none of ARGS's tests in a part, is no failure.
+TEST_WORKERS ?= 2
 
-# The kernels' tests (tests/ops) once more with the Triton of the GPU image (torch 2.11 pins 3.6), in a
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(ARGS) \
+		|| test $$? -eq 5
+	$(PY) -m pytest -q -m serial $(ARGS) || test $$? -eq 5
+
+# The kernels' tests (those of tests/ops named triton or sm90: the interpreter runs and the sm_90 builds;
+# the others do not touch Triton) once more with the Triton of the GPU image (torch 2.11 pins 3.6), in a
 # venv of their own, on the CPU (CI): what builds with the newest Triton must build there too. Triton
 # 3.6's interpreter needs numpy < 2.3. Not for a GPU machine: pip would fetch a CUDA build of torch.
 IMAGE_TRITON ?= 3.6.0
@@ -31,9 +39,10 @@ IMAGE_VENV   := .venv-triton-$(IMAGE_TRITON)
 test-image-triton:
 	test -x $(IMAGE_VENV)/bin/python || $(PYTHON) -m venv $(IMAGE_VENV)
 	$(IMAGE_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)" "triton==$(IMAGE_TRITON)" \
-		"numpy>=1.24,<2.3" "tqdm>=4.60" "pytest>=8" "pytest-timeout>=2.2"
+		"numpy>=1.24,<2.3" "tqdm>=4.60" "pytest>=8" "pytest-timeout>=2.2" "pytest-xdist>=3.5"
 	$(IMAGE_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/ops $(ARGS)
+	OMP_NUM_THREADS=1 $(IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
+		--dist loadfile tests/ops -k "triton or sm90" $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts

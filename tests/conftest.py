@@ -8,8 +8,27 @@ leftover zeros. ``warn_only`` keeps ops without a deterministic implementation u
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+
+# Tests that start groups of processes (torchrun, Gloo ranks) or bound their time: `make test` runs them
+# alone, after the others, which it runs in 2 pytest-xdist workers (a rank that shares its core with
+# another test's work is late for its group's deadlines). A test elsewhere takes `@pytest.mark.serial`.
+SERIAL_FILES = {
+    "asr/test_cores.py", "asr/test_fault_tolerance.py", "asr/test_group.py", "asr/test_manifest.py",
+    "asr/test_train_asr.py", "bench/test_syncbn_bench.py", "bench/test_train_bench.py",
+    "nn/test_syncbn_module.py", "parallel/test_ddp.py", "parallel/test_zero.py", "test_cli.py",
+    "test_train_classify.py",
+}  # fmt: skip
+_TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.relative_to(_TESTS).as_posix() in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(autouse=True)

@@ -557,6 +557,7 @@ def ddp_results(tmp_path_factory) -> list[dict]:
     return results
 
 
+@pytest.mark.serial  # (Gloo ranks: see conftest.py)
 @pytest.mark.parametrize(
     "variant, layout",
     [pytest.param(v, lay, id=f"{v}-{lay}") for v, (_, lays) in DDP_VARIANTS.items() for lay in lays],
