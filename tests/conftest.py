@@ -26,8 +26,8 @@ _TESTS = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.relative_to(_TESTS).as_posix() in SERIAL_FILES:
+    for item in items:  # (all the session's items: a path given beside tests/ too)
+        if item.path.is_relative_to(_TESTS) and item.path.relative_to(_TESTS).as_posix() in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
 
 
