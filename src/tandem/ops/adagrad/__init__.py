@@ -39,6 +39,9 @@ def hyperparameters(
     number depends on their dtypes (an ``lr`` of 1e39 overflows a float32 parameter's update, not a
     float64 one's). Without them the numbers are tried as for float64 tensors.
 
+    A float16 or bfloat16 tensor ``lr`` with ``lr_decay`` is returned as itself (0-d): torch's update
+    rounds its decayed rate to that dtype, which the per-tensor path does too (see :func:`_rounds_clr`).
+
     Under ``torch.compile`` a real tensor ``lr`` stays a tensor, read by the op when it runs: reading it
     here would make the compiled step depend on its value, and recompile at every change an LR scheduler
     makes to it (torch's compiled optimizers take a tensor lr for that reason)."""
@@ -58,7 +61,7 @@ def hyperparameters(
         # torch's per-tensor update keeps a tensor lr (squeezed) and divides it by 1 + (step - 1) *
         # lr_decay: its clr is rounded to lr's dtype. In float16 and bfloat16 that is up to a relative
         # 2e-4 and 4e-3 from the float the kernels would compute, so such an lr stays a tensor, which
-        # sends the update the per-tensor way (see _rounds_clr); float32's rounding is its last bit
+        # sends the update the per-tensor way; float32's rounding is its last bit
         tensor_lr = lr.reshape(()) if lr.dtype in _HALF else None
         lr = lr.item()
     else:
