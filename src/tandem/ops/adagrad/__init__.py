@@ -45,6 +45,7 @@ def hyperparameters(
     Under ``torch.compile`` a real tensor ``lr`` stays a tensor, read by the op when it runs: reading it
     here would make the compiled step depend on its value, and recompile at every change an LR scheduler
     makes to it (torch's compiled optimizers take a tensor lr for that reason)."""
+    given = lr
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             # a tensor lr set in param_groups after construction: torch's update refuses it with a
@@ -58,21 +59,18 @@ def hyperparameters(
             kind = bool if lr.dtype == torch.bool else float if lr.is_floating_point() else int
             _, *rest = hyperparameters(kind(1), lr_decay, weight_decay, eps, maximize, tensors)
             return (lr, *rest)
-        # torch's per-tensor update keeps a tensor lr (squeezed) and divides it by 1 + (step - 1) *
-        # lr_decay: its clr is rounded to lr's dtype. In float16 and bfloat16 that is up to a relative
-        # 2e-4 and 4e-3 from the float the kernels would compute, so such an lr stays a tensor, which
-        # sends the update the per-tensor way; float32's rounding is its last bit
-        tensor_lr = lr.reshape(()) if lr.dtype in _HALF else None
-        lr = lr.item()
-    else:
-        tensor_lr = None
+        lr = lr.item()  # its value, for the checks and the kernels (a half one with lr_decay: below)
     _refuse_as_torch(dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize),
                      list(tensors))  # fmt: skip
     maximize = bool(maximize)
     if isinstance(lr, complex):  # one torch's addcdiv_ took: its imaginary part is 0
         lr = lr.real
-    if tensor_lr is not None and lr_decay != 0:
-        return tensor_lr, float(lr_decay), float(weight_decay), float(eps), maximize
+    if _rounds_clr(given, lr_decay):
+        # torch's per-tensor update keeps a tensor lr (squeezed) and divides it by 1 + (step - 1) *
+        # lr_decay: its clr is rounded to lr's dtype. In float16 and bfloat16 that is up to a relative
+        # 2e-4 and 4e-3 from the float the kernels would compute, so such an lr stays a tensor, which
+        # sends the update the per-tensor way; float32's rounding is its last bit
+        return given.reshape(()), float(lr_decay), float(weight_decay), float(eps), maximize
     return float(lr), float(lr_decay), float(weight_decay), float(eps), maximize
 
 
