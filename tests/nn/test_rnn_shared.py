@@ -224,6 +224,38 @@ def test_complex_numbers_match_torch(torch_cls, tandem_cls):
         torch.testing.assert_close(b, a)
 
 
+@pytest.mark.parametrize(
+    "torch_cls, tandem_cls, state",
+    [
+        pytest.param(torch.nn.GRU, tandem.nn.GRU, 0, id="gru-h0"),
+        pytest.param(torch.nn.LSTM, tandem.nn.LSTM, 0, id="lstm-h0"),
+        pytest.param(torch.nn.LSTM, tandem.nn.LSTM, 1, id="lstm-c0"),
+    ],
+)
+def test_an_infinite_initial_state_gives_torchs_infs_and_nans(torch_cls, tandem_cls, state):
+    """An infinite entry of h0 (or c0) flows on as inf where torch's does and turns into NaN where
+    torch's does, in the outputs and in every gradient. (The GRU's state update was a lerp, which
+    computes h_prev - (h_prev - n) (1 - z) for z >= 0.5: NaN for an infinite h_prev, where torch's
+    (h_prev - n) z + n is inf.)"""
+    torch.manual_seed(0)
+    ref, ours = _pair(torch_cls, tandem_cls, torch.float32)
+    x = torch.randn(3, 4, 3)
+    hidden = [torch.randn(4, 4, 4) for _ in range(2 if torch_cls is torch.nn.LSTM else 1)]
+    inf = float("inf")
+    hidden[state][2:, 0, :2] = torch.tensor([inf, -inf])  # the top layer's, of one sequence
+    results = []
+    for module in (ref, ours):
+        xx = x.clone().requires_grad_()
+        hx = [h.clone().requires_grad_() for h in hidden]
+        out, h_n = module(xx, tuple(hx) if len(hx) == 2 else hx[0])
+        (out.sum() + _states_sum(h_n)).backward()
+        results.append([out, *(h_n if isinstance(h_n, tuple) else (h_n,)), xx.grad, *(h.grad for h in hx)])
+        results[-1] += [p.grad for p in module.parameters()]
+    assert any((~t.isfinite()).any() for t in results[0]) and results[0][0].isfinite().any(), "tests nothing"
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, equal_nan=True)
+
+
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
 def test_forward_mode_ad_and_torch_func_match_torch(torch_cls, tandem_cls):
     """torch.func.jvp (once zeros, without a word), torch.autograd.forward_ad, torch.func.grad over
