@@ -22,8 +22,12 @@ from _cli import ON_CPU, env, finish, free_port, processes_mentioning, start, ta
 
 from tandem.asr.checkpoint import CheckpointStore, CheckpointWriteError, load_checkpoint
 
-# one epoch of a tiny model (22 steps), a checkpoint every 5 steps
-TINY = ("--hidden", "32", "--layers", "1", "--epochs", "1", "--threads", "1", "--checkpoint-every", "5")
+# one epoch of a tiny model (22 steps), a checkpoint every 5 steps; with augmentation (on by default with
+# --test-speaker), whose draws a resumed or restarted run must repeat as well
+TINY = (
+    *("--hidden", "32", "--layers", "1", "--epochs", "1", "--threads", "1", "--checkpoint-every", "5"),
+    *("--augment", "on"),
+)
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
