@@ -135,8 +135,8 @@ def gru_fwd_ref(
         # n = tanh(a), from 2a halved (exactly): 2 sigmoid(2a) - 1 kept only an absolute error of one unit
         # of 0.5's last place, all of a small n's value (torch's tanh is exact there)
         g_n[s].addcmul_(g_r[s], hn_s[s], value=2.0).mul_(0.5).tanh_()
-        # h = (h_prev - n) z + n, torch's order: lerp's other branch (z >= 0.5) computes h_prev - (h_prev - n)
-        # (1 - z), NaN where torch has inf for an infinite h_prev
+        # h = (h_prev - n) z + n, the form of torch's cell (lerp's branch for z >= 0.5, h_prev - (h_prev - n)
+        # (1 - z), is NaN where torch's is inf, for an infinite h_prev)
         torch.sub(h_prev[s], g_n[s], out=h_out[s])
         torch.addcmul(g_n[s], h_out[s], g_z[s], out=h_out[s])
 
