@@ -312,7 +312,7 @@ def gru_layer_autograd(
         r = torch.sigmoid(i_r + h_r)
         z = torch.sigmoid(i_z + h_z)
         n = torch.tanh(i_n + r * h_n)
-        return ((1 - z) * n + z * h,)
+        return ((h - n) * z + n,)  # torch's cell: (1 - z) n + z h in the form that keeps an infinite h
 
     y, (h_n,) = packed_layer(x, batch_sizes, (h0,), project, cell)
     return y, h_n
