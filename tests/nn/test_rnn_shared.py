@@ -751,6 +751,44 @@ def test_a_parameter_changed_between_forward_and_backward_raises_where_torchs_do
 
 
 @pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("h0_grad", [None, False, True], ids=["no-h0", "h0", "h0-grad"])
+@pytest.mark.parametrize("name", ["weight_hh_l0", "weight_hh_l1", "weight_ih_l1"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["", "frozen"])
+def test_a_parameter_changed_after_a_one_step_forward_raises_where_torchs_does(
+    torch_cls, tandem_cls, bidirectional, h0_grad, name, frozen
+):
+    """With one time step torch's GRU multiplies W_hh by h0 alone and saves it only where h0 requires
+    grad: changed in place before backward, it raises nothing there and its gradient (h0's part alone) is
+    the same (tandem's GRU raised the in-place error). torch's LSTM raises as for any length."""
+    directions = 2 if bidirectional else 1
+    ref = torch_cls(4, 5, num_layers=2, bidirectional=bidirectional)
+    ours = tandem_cls(4, 5, num_layers=2, bidirectional=bidirectional)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(1, 3, 4)
+    h0 = None if h0_grad is None else torch.randn(2 * directions, 3, 5, requires_grad=h0_grad)
+    hx = (h0, torch.randn(2 * directions, 3, 5)) if h0 is not None and torch_cls is torch.nn.LSTM else h0
+    outcomes = []
+    for module in (ref, ours):
+        getattr(module, name).requires_grad_(not frozen)
+        out, _ = module(x, hx)
+        with torch.no_grad():
+            getattr(module, name).add_(0.1)
+        try:
+            out.square().sum().backward()
+            outcomes.append("ran")
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e)
+            outcomes.append("raised")
+    assert outcomes[1] == outcomes[0]
+    if outcomes[0] == "ran":
+        for (n, a), b in zip(ref.named_parameters(), ours.parameters()):
+            assert (a.grad is None) == (b.grad is None), n
+            if a.grad is not None:
+                torch.testing.assert_close(b.grad, a.grad, msg=n)
+
+
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
 @pytest.mark.parametrize("which", ["x", "h0"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])

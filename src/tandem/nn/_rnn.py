@@ -125,6 +125,7 @@ class RNNLayers(torch.nn.RNNBase):
         dtype: torch.dtype | None = None,
         input_requires_grad: bool = True,
         frozen: list[Callable[[Tensor], None]] | None = None,
+        state_requires_grad: bool = True,
     ) -> tuple[Tensor | None, ...]:
         """The layer's parameters ``names`` (of ``weights``, :meth:`_current_weights`) stacked over
         directions (``[D, ...]``, a copy), None where absent; cast to ``dtype`` if given (autocast: the
@@ -133,10 +134,12 @@ class RNNLayers(torch.nn.RNNBase):
         A parameter changed in place between this forward and its backward (an ``optimizer.step()``
         before ``backward()``) makes that backward raise autograd's "modified by an inplace operation"
         RuntimeError exactly where torch's layers raise it, the parameters torch's ops save: the
-        recurrent and projection weights, and the input weights if the layer's input requires grad;
-        never the biases. The ops save their copies, so the parameters' versions are checked by a hook:
-        on the copy's gradient, or, for a parameter that needs none (frozen), one of the checks added to
-        ``frozen`` that :meth:`_check_frozen_in_backward` hooks on the layer's outputs.
+        recurrent weights if a state they multiply requires grad (``state_requires_grad``: False for
+        torch's GRU where one step meets only an h0 without grad), the projection weights, and the input
+        weights if the layer's input requires grad; never the biases. The ops save their copies, so the
+        parameters' versions are checked by a hook: on the copy's gradient, or, for a parameter that
+        needs none (frozen), one of the checks added to ``frozen`` that :meth:`_check_frozen_in_backward`
+        hooks on the layer's outputs.
         """
         suffixes = ("", "_reverse") if self.bidirectional else ("",)
         stacked: list[Tensor | None] = []
@@ -151,7 +154,8 @@ class RNNLayers(torch.nn.RNNBase):
             else:
                 weight = torch.stack(per_direction)
                 weight = weight if dtype is None else weight.to(dtype)
-            if name in ("weight_hh", "weight_hr") or (name == "weight_ih" and input_requires_grad):
+            saved = {"weight_ih": input_requires_grad, "weight_hh": state_requires_grad, "weight_hr": True}
+            if saved.get(name, False):
                 self._check_versions_in_backward(
                     weight, per_direction, [f"{name}_l{layer}{s}" for s in suffixes], frozen
                 )

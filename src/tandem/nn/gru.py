@@ -115,6 +115,8 @@ class GRU(RNNLayers):
 
         h_n = []
         layer_input = rows.data
+        # one step: torch's GRU multiplies W_hh by h0 alone, and saves it only where h0 requires grad
+        one_step = self._copies_may_matter() and rows.batch_sizes.shape[0] == 1
         for layer in range(self.num_layers):
             h0 = hx[layer * num_directions : (layer + 1) * num_directions]
             frozen: list = []
@@ -125,6 +127,7 @@ class GRU(RNNLayers):
                 dtype,
                 input_requires_grad=layer_input.requires_grad,
                 frozen=frozen,
+                state_requires_grad=h0.requires_grad or not one_step,
             )
             formulas = needs_formulas(rows.mini_batch, layer_input, h0, *weights)
             if formulas:  # (autograd-tracked ops: they save what torch's save)
