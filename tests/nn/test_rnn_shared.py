@@ -755,17 +755,19 @@ def test_a_parameter_changed_between_forward_and_backward_raises_where_torchs_do
 @pytest.mark.parametrize("h0_grad", [None, False, True], ids=["no-h0", "h0", "h0-grad"])
 @pytest.mark.parametrize("name", ["weight_hh_l0", "weight_hh_l1", "weight_ih_l1"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["", "frozen"])
+@pytest.mark.parametrize("steps", [[3], [3, 0]], ids=["one-step", "and-a-step-of-none"])
 def test_a_parameter_changed_after_a_one_step_forward_raises_where_torchs_does(
-    torch_cls, tandem_cls, bidirectional, h0_grad, name, frozen
+    torch_cls, tandem_cls, bidirectional, h0_grad, name, frozen, steps
 ):
     """With one time step torch's GRU multiplies W_hh by h0 alone and saves it only where h0 requires
     grad: changed in place before backward, it raises nothing there and its gradient (h0's part alone) is
-    the same (tandem's GRU raised the in-place error). torch's LSTM raises as for any length."""
+    the same (tandem's GRU raised the in-place error). A PackedSequence's second step of batch 0 is a step
+    for torch's GRU, on a state with grad. torch's LSTM raises as for any length."""
     directions = 2 if bidirectional else 1
     ref = torch_cls(4, 5, num_layers=2, bidirectional=bidirectional)
     ours = tandem_cls(4, 5, num_layers=2, bidirectional=bidirectional)
     ours.load_state_dict(ref.state_dict())
-    x = torch.randn(1, 3, 4)
+    x = torch.randn(1, 3, 4) if steps == [3] else PackedSequence(torch.randn(3, 4), torch.tensor(steps))
     h0 = None if h0_grad is None else torch.randn(2 * directions, 3, 5, requires_grad=h0_grad)
     hx = (h0, torch.randn(2 * directions, 3, 5)) if h0 is not None and torch_cls is torch.nn.LSTM else h0
     outcomes = []
@@ -775,7 +777,7 @@ def test_a_parameter_changed_after_a_one_step_forward_raises_where_torchs_does(
         with torch.no_grad():
             getattr(module, name).add_(0.1)
         try:
-            out.square().sum().backward()
+            (out.data if steps == [3, 0] else out).square().sum().backward()
             outcomes.append("ran")
         except RuntimeError as e:
             assert "modified by an inplace operation" in str(e)
