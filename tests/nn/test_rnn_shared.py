@@ -756,20 +756,31 @@ def test_a_parameter_changed_between_forward_and_backward_raises_where_torchs_do
 @pytest.mark.parametrize("name", ["weight_hh_l0", "weight_hh_l1", "weight_ih_l1"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["", "frozen"])
 @pytest.mark.parametrize("steps", [[3], [3, 0]], ids=["one-step", "and-a-step-of-none"])
+@pytest.mark.parametrize("variant", ["float32", "float64", "proj"])
 def test_a_parameter_changed_after_a_one_step_forward_raises_where_torchs_does(
-    torch_cls, tandem_cls, bidirectional, h0_grad, name, frozen, steps
+    torch_cls, tandem_cls, bidirectional, h0_grad, name, frozen, steps, variant
 ):
-    """With one time step torch's GRU multiplies W_hh by h0 alone and saves it only where h0 requires
+    """With one time step torch's own cell multiplies W_hh by h0 alone and saves it only where h0 requires
     grad: changed in place before backward, it raises nothing there and its gradient (h0's part alone) is
-    the same (tandem's GRU raised the in-place error). A PackedSequence's second step of batch 0 is a step
-    for torch's GRU, on a state with grad. torch's LSTM raises as for any length."""
+    the same (tandem's layers raised the in-place error). A PackedSequence's second step of batch 0 is a
+    step for torch, on a state with grad; and the LSTM's oneDNN cell (float32, no projection) saves W_hh
+    at any length."""
+    lstm = torch_cls is torch.nn.LSTM
+    if variant == "proj" and not lstm:
+        pytest.skip("GRU has no projection")
     directions = 2 if bidirectional else 1
-    ref = torch_cls(4, 5, num_layers=2, bidirectional=bidirectional)
-    ours = tandem_cls(4, 5, num_layers=2, bidirectional=bidirectional)
+    kwargs = dict(num_layers=2, bidirectional=bidirectional, dtype=getattr(torch, variant, torch.float32))
+    if variant == "proj":
+        kwargs["proj_size"] = 3
+    ref, ours = torch_cls(4, 5, **kwargs), tandem_cls(4, 5, **kwargs)
     ours.load_state_dict(ref.state_dict())
-    x = torch.randn(1, 3, 4) if steps == [3] else PackedSequence(torch.randn(3, 4), torch.tensor(steps))
-    h0 = None if h0_grad is None else torch.randn(2 * directions, 3, 5, requires_grad=h0_grad)
-    hx = (h0, torch.randn(2 * directions, 3, 5)) if h0 is not None and torch_cls is torch.nn.LSTM else h0
+    dtype, width = kwargs["dtype"], 3 if variant == "proj" else 5
+    x = torch.randn(1, 3, 4, dtype=dtype)
+    x = x if steps == [3] else PackedSequence(x[0], torch.tensor(steps))
+    h0 = (
+        None if h0_grad is None else torch.randn(2 * directions, 3, width, dtype=dtype, requires_grad=h0_grad)
+    )
+    hx = (h0, torch.randn(2 * directions, 3, 5, dtype=dtype)) if h0 is not None and lstm else h0
     outcomes = []
     for module in (ref, ours):
         getattr(module, name).requires_grad_(not frozen)

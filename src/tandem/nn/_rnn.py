@@ -134,8 +134,8 @@ class RNNLayers(torch.nn.RNNBase):
         A parameter changed in place between this forward and its backward (an ``optimizer.step()``
         before ``backward()``) makes that backward raise autograd's "modified by an inplace operation"
         RuntimeError exactly where torch's layers raise it, the parameters torch's ops save: the
-        recurrent weights if a state they multiply requires grad (``state_requires_grad``: False for
-        torch's GRU where one step meets only an h0 without grad), the projection weights, and the input
+        recurrent weights if a state they multiply requires grad (``state_requires_grad``: False where
+        torch's own cell takes one step from an h0 without grad), the projection weights, and the input
         weights if the layer's input requires grad; never the biases. The ops save their copies, so the
         parameters' versions are checked by a hook: on the copy's gradient, or, for a parameter that
         needs none (frozen), one of the checks added to ``frozen`` that :meth:`_check_frozen_in_backward`
@@ -190,6 +190,13 @@ class RNNLayers(torch.nn.RNNBase):
             copy.register_hook(check)
         else:
             frozen.append(check)
+
+    def _one_step(self, rows: Rows) -> bool:
+        """Whether the input has one time step, where torch's own cell (not oneDNN's) multiplies W_hh by h0
+        alone and saves W_hh only if h0 requires grad (see :meth:`_layer_weights`); a PackedSequence's steps
+        as given, as torch runs a step of batch 0 too, on a state with grad. False where no copy matters."""
+        steps = rows.batch_sizes if rows.given_batch_sizes is None else rows.given_batch_sizes
+        return self._copies_may_matter() and steps.shape[0] == 1
 
     @staticmethod
     def _copies_may_matter() -> bool:

@@ -115,10 +115,7 @@ class GRU(RNNLayers):
 
         h_n = []
         layer_input = rows.data
-        # one step: torch's GRU multiplies W_hh by h0 alone, and saves it only where h0 requires grad (a
-        # PackedSequence's steps as given: torch runs a step of batch 0 too, on a state with grad)
-        steps = rows.batch_sizes if rows.given_batch_sizes is None else rows.given_batch_sizes
-        one_step = self._copies_may_matter() and steps.shape[0] == 1
+        one_step = self._one_step(rows)
         for layer in range(self.num_layers):
             h0 = hx[layer * num_directions : (layer + 1) * num_directions]
             frozen: list = []

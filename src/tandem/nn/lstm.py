@@ -225,6 +225,7 @@ class LSTM(RNNLayers):
         onednn = dtype is None and rows.mini_batch > 0 and onednn_applies(torch_onednn)
         if float_cx and not onednn:  # torch.compile traces tandem's own kernel: one dtype throughout
             hx = (hx[0], hx[1].to(rows.data.dtype))
+        one_step = not torch_onednn and self._one_step(rows)  # (oneDNN's cell saves W_hh at any length)
         for layer in range(self.num_layers):
             span = slice(layer * num_directions, (layer + 1) * num_directions)
             if onednn:
@@ -241,6 +242,7 @@ class LSTM(RNNLayers):
                     dtype,
                     input_requires_grad=layer_input.requires_grad,
                     frozen=frozen,
+                    state_requires_grad=hx[0].requires_grad or not one_step,
                 )
                 h0, c0 = hx[0][span], hx[1][span]
                 formulas = needs_formulas(rows.mini_batch, layer_input, h0, c0, *weights)
