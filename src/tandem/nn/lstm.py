@@ -235,6 +235,7 @@ class LSTM(RNNLayers):
                 )
             else:
                 frozen: list = []
+                h0, c0 = hx[0][span], hx[1][span]
                 weights = self._layer_weights(
                     weights_now,
                     layer,
@@ -242,9 +243,8 @@ class LSTM(RNNLayers):
                     dtype,
                     input_requires_grad=layer_input.requires_grad,
                     frozen=frozen,
-                    state_requires_grad=hx[0].requires_grad or not one_step,
+                    state_requires_grad=h0.requires_grad or not one_step,
                 )
-                h0, c0 = hx[0][span], hx[1][span]
                 formulas = needs_formulas(rows.mini_batch, layer_input, h0, c0, *weights)
                 if formulas:  # (autograd-tracked ops: they save what torch's save)
                     layer_input, h_last, c_last = lstm_layer_autograd(
