@@ -565,7 +565,7 @@ def test_step_refusals_as_torch_before_any_change(case):
         ("lr", np.array(0.1), 0.1),
         ("lr_decay", Fraction(1, 10), 0.1),
         ("lr", complex(0.1, 0), 0.1),
-        ("lr", torch.tensor(complex(0.1, 0)), torch.tensor(0.1)),
+        ("lr", torch.tensor(complex(0.1, 0)), None),
     ],
     ids=[
         "maximize-int", "maximize-numpy", "maximize-tensor", "maximize-string", "lr-fraction", "lr-numpy",
@@ -588,6 +588,9 @@ def test_hyperparameters_of_other_types_step_as_torchs_default(key, value, plain
     expected, steps = run(torch.optim.Adagrad, value)
     got, our_steps = run(Adagrad, value)
     assert our_steps == steps == 3
+    if plain is None:  # a complex64 lr: its clr is complex64 arithmetic's, which the per-tensor path takes
+        assert torch.equal(got, expected)
+        return
     assert torch.equal(got, run(Adagrad, plain)[0])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-7)  # fused against per-tensor: last bits
 
@@ -665,18 +668,65 @@ def test_an_lr_that_overflows_at_step_1_and_not_at_the_parameters_step_steps_as_
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("lr_dtype", [torch.float16, torch.bfloat16])
+_NARROW_NUMBERS = {
+    "float16-tensor": lambda: torch.tensor([0.1], dtype=torch.float16),
+    "bfloat16-tensor": lambda: torch.tensor([0.1], dtype=torch.bfloat16),
+    "float32-tensor": lambda: torch.tensor(0.1),
+    "numpy-float32": lambda: np.float32(0.1),
+}
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one-parameter", "with-a-non-contiguous-one"])
+def test_a_negative_lr_decay_whose_rate_divides_by_zero_later_raises_torchs_error_before_any_change(two):
+    """An lr_decay of -1 set in param_groups (the constructor refuses it): at step 2 torch's
+    ``lr / (1 + (step - 1) * lr_decay)`` divides by zero and raises. tandem tried the numbers at step 1
+    only: its fused kernel divided by zero and the parameter went to -inf without an error (and with a
+    second parameter on the per-tensor path the error came after the first had moved)."""
+
+    def make(cls):
+        ps = [torch.nn.Parameter(torch.linspace(-1, 1, 4))]
+        ps += [torch.nn.Parameter(torch.ones(3, 2).t())] if two else []
+        opt = cls(ps, lr=0.1)
+        opt.param_groups[0]["lr_decay"] = -1.0
+        for q in ps:
+            q.grad = torch.ones_like(q)
+        opt.step()  # step 1: 1 + 0 * lr_decay
+        return opt, ps
+
+    opt, _ = make(torch.optim.Adagrad)
+    theirs = _raised(opt.step)
+    assert theirs == (ZeroDivisionError, "float division by zero")
+    opt, ps = make(Adagrad)
+    before = [(q.detach().clone(), opt.state[q]["sum"].clone()) for q in ps]
+    assert _raised(opt.step) == theirs
+    for q, (value, total) in zip(ps, before):
+        assert torch.equal(q.detach(), value) and torch.equal(opt.state[q]["sum"], total)
+        assert opt.state[q]["step"].item() == 1
+
+
+@pytest.mark.parametrize("narrow", ["lr", "lr_decay"])
+@pytest.mark.parametrize("kind", list(_NARROW_NUMBERS))
 @pytest.mark.parametrize("lr_decay", [0.05, 0.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_half_precision_tensor_lr_steps_as_torchs_default_to_the_bit(lr_dtype, lr_decay, dtype):
-    """torch's per-tensor update divides a tensor lr itself, ``lr / (1 + (step - 1) * lr_decay)``: its clr
-    is rounded to lr's dtype. tandem read the lr as a float and divided in float64: with lr_decay, a
-    relative 2e-4 (float16) and 4e-3 (bfloat16) away from torch after 4 steps."""
+def test_an_lr_or_lr_decay_of_a_narrower_dtype_steps_as_torchs_default_to_the_bit(
+    narrow, kind, lr_decay, dtype
+):
+    """torch's per-tensor update divides lr itself, ``lr / (1 + (step - 1) * lr_decay)``, in the
+    arithmetic of what it was given: a tensor's or numpy number's dtype rounds its clr. tandem read them as
+    floats and divided in float64: with lr_decay, a relative 2e-4 (float16) and 4e-3 (bfloat16) away from
+    torch after 4 steps; float32 (a tensor or numpy number, as lr or as lr_decay) ~1e-8 on every element of
+    a float64 parameter."""
+    hyper = {"lr": 0.1, "lr_decay": lr_decay}
+    if narrow == "lr":
+        hyper["lr"] = _NARROW_NUMBERS[kind]()
+    elif lr_decay != 0:  # (torch's addcdiv_ refuses a clr of one dimension: a 0-d lr_decay)
+        number = _NARROW_NUMBERS[kind]() / 2
+        hyper["lr_decay"] = number.reshape(()) if isinstance(number, torch.Tensor) else number
 
     def run(cls):
         p = torch.nn.Parameter(torch.linspace(-1, 1, 6, dtype=dtype))
         q = torch.nn.Parameter(torch.linspace(0, 2, 5, dtype=dtype))
-        opt = cls([p, q], lr=torch.tensor([0.1], dtype=lr_dtype), lr_decay=lr_decay)
+        opt = cls([p, q], **hyper)
         for t in range(4):
             p.grad, q.grad = torch.cos(p.detach() * (t + 1)), torch.sin(q.detach() * (t + 1))
             opt.step()
@@ -872,19 +922,53 @@ def test_a_group_added_with_other_differentiable_steps_as_torch():
     assert _raised(lambda: made_differentiable(Adagrad)) == (RuntimeError, error)
 
 
-def test_differentiable_refuses_an_lr_that_requires_grad():
-    """torch's update takes lr as a number there and refuses a tensor that requires grad (a TypeError);
-    its gradient would otherwise be lost without a word."""
-    lr = torch.tensor(0.1, requires_grad=True)
+@pytest.mark.parametrize("key", ["lr", "lr_decay"])
+def test_differentiable_refuses_an_lr_or_lr_decay_that_requires_grad(key):
+    """torch's update takes ``clr = lr / (1 + (step - 1) * lr_decay)`` as a number there and refuses a
+    tensor that requires grad (a TypeError, after counting the step); the gradient would otherwise be lost
+    without a word. tandem stepped with an lr_decay that requires grad."""
+    hyper = {"lr": 0.1, key: torch.tensor(0.05, requires_grad=True)}
 
-    def step(cls):
+    def make(cls):
         q = torch.ones(3, requires_grad=True) * 1.0
         q.grad = torch.ones(3)
-        cls([q], lr=lr, differentiable=True).step()
+        return cls([q], differentiable=True, **hyper), q
 
-    assert _raised(lambda: step(torch.optim.Adagrad))[0] is TypeError
-    with pytest.raises(TypeError, match="differentiable=True takes lr as a number"):
-        step(Adagrad)
+    assert _raised(make(torch.optim.Adagrad)[0].step)[0] is TypeError
+    opt, q = make(Adagrad)
+    with pytest.raises(TypeError, match=f"differentiable=True takes {key} as a number"):
+        opt.step()
+    assert torch.equal(q.detach(), torch.ones(3)) and opt.state[q]["step"].item() == 0
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["optimizer", "functional"])
+def test_differentiable_keeps_an_eps_that_requires_grad_on_the_tape(functional):
+    """torch's update adds eps to the root of the sum on the tape: the parameters' gradient with respect
+    to eps is computed. tandem read eps as a float, and that gradient was None."""
+
+    def run(cls, adagrad_fn):
+        eps = torch.tensor(0.05, dtype=torch.float64, requires_grad=True)
+        q = torch.linspace(-1, 1, 4, dtype=torch.float64, requires_grad=True) * 1.0
+        if functional:
+            s, t = torch.zeros_like(q), torch.zeros((), dtype=torch.float32)
+            for k in range(2):
+                adagrad_fn([q], [torch.cos(q.detach() * (k + 1))], [s], [t], lr=0.1, lr_decay=0.0,
+                           weight_decay=0.0, eps=eps, maximize=False, differentiable=True)  # fmt: skip
+        else:
+            opt = cls([q], lr=0.1, eps=eps, differentiable=True)
+            for k in range(2):
+                q.grad = torch.cos(q.detach() * (k + 1))
+                opt.step()
+        (d_eps,) = torch.autograd.grad(q.sum(), eps)
+        return q.detach(), d_eps
+
+    from torch.optim.adagrad import adagrad as torch_adagrad
+
+    (q_got, d_got), (q_want, d_want) = (
+        run(Adagrad, tandem.ops.adagrad),
+        run(torch.optim.Adagrad, torch_adagrad),
+    )
+    assert torch.equal(q_got, q_want) and torch.equal(d_got, d_want) and d_want != 0
 
 
 def test_a_tensor_lr_of_several_elements_set_later_is_torchs_type_error_and_changes_nothing():

@@ -363,18 +363,23 @@ class Adagrad(Optimizer):
                         "a leaf Variable that requires grad is being used in an in-place operation."
                     )
                 lr = group["lr"]  # (a tensor of more elements: hyperparameters' TypeError, as torch's)
-                if differentiable and isinstance(lr, Tensor) and lr.requires_grad:
-                    # torch's update takes lr as a number there (its addcdiv_ refuses a tensor value): a
-                    # gradient with respect to lr would silently be lost
-                    raise TypeError(
-                        "Adagrad: differentiable=True takes lr as a number or a tensor that does not "
-                        "require grad, got a tensor that requires grad"
-                    )
+                for key in ("lr", "lr_decay"):
+                    if differentiable and isinstance(group[key], Tensor) and group[key].requires_grad:
+                        # torch's update takes clr = lr / (1 + (step - 1) * lr_decay) as a number there (its
+                        # addcdiv_ refuses a tensor value): a gradient with respect to it would be lost
+                        raise TypeError(
+                            f"Adagrad: differentiable=True takes {key} as a number or a tensor that does not "
+                            "require grad, got a tensor that requires grad"
+                        )
                 # read as torch's update reads them; what it refuses, with its error, before any group moves
                 hyper = hyperparameters(
                     lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"],
                     zip(params, grads, sums, steps),
                 )  # fmt: skip
+                eps = group["eps"]
+                if differentiable and isinstance(eps, Tensor) and eps.requires_grad:
+                    # torch's update adds eps to the root of the sum on the tape: d/d eps is computed
+                    hyper = (*hyper[:3], eps.reshape(()), hyper[4])
                 work.append((group, hyper, params, grads, sums, steps))
 
         if len(work) > 1:  # (one group's are tried by the update itself, before it moves anything)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn import Parameter
@@ -66,21 +67,33 @@ def hyperparameters(
     if isinstance(lr, complex):  # one torch's addcdiv_ took: its imaginary part is 0
         lr = lr.real
     if _rounds_clr(given, lr_decay):
-        # torch's per-tensor update keeps a tensor lr (squeezed) and divides it by 1 + (step - 1) *
-        # lr_decay: its clr is rounded to lr's dtype. In float16 and bfloat16 that is up to a relative
-        # 2e-4 and 4e-3 from the float the kernels would compute, so such an lr stays a tensor, which
-        # sends the update the per-tensor way; float32's rounding is its last bit
-        return given.reshape(()), float(lr_decay), float(weight_decay), float(eps), maximize
-    return float(lr), float(lr_decay), float(weight_decay), float(eps), maximize
+        # torch's per-tensor update divides lr by 1 + (step - 1) * lr_decay as they come: a tensor or numpy
+        # number of another dtype than float64 rounds its clr to that dtype (float32: ~1e-8 from the float
+        # the kernels would compute, float16 a relative 2e-4, bfloat16 4e-3). They stay as they are (a
+        # tensor squeezed), which sends the update the per-tensor way
+        as_given = given.reshape(()) if isinstance(given, Tensor) else given
+        decay = lr_decay.reshape(()) if isinstance(lr_decay, Tensor) else lr_decay
+        return as_given, decay, _float(weight_decay), _float(eps), maximize
+    return float(lr), _float(lr_decay), _float(weight_decay), _float(eps), maximize
 
 
-_HALF = (torch.float16, torch.bfloat16)
+def _float(x: object) -> float:
+    """``x`` as a float; a tensor that requires grad without autograd's warning (torch's update takes its
+    value, or keeps it on the tape: see :func:`adagrad`)."""
+    return float(x.detach()) if isinstance(x, Tensor) else float(x)
 
 
-def _rounds_clr(lr: float | Tensor, lr_decay: float) -> bool:
-    """Whether ``lr`` is a tensor whose dtype rounds torch's ``clr`` by more than float32's last bit (see
-    :func:`hyperparameters`): the per-tensor path computes it as torch does, from the tensor."""
-    return isinstance(lr, Tensor) and lr.dtype in _HALF and lr_decay != 0
+def _rounds_clr(lr: float | Tensor, lr_decay: float | Tensor) -> bool:
+    """Whether torch's ``clr = lr / (1 + (step - 1) * lr_decay)`` is computed in another arithmetic than
+    Python's float (see :func:`hyperparameters`): ``lr_decay`` is not 0 and ``lr`` or ``lr_decay`` is a
+    tensor or numpy number of another dtype than float64. The per-tensor path computes it as torch does."""
+    return _narrow(lr) or _narrow(lr_decay) if bool(lr_decay != 0) else False
+
+
+def _narrow(x: object) -> bool:
+    if isinstance(x, Tensor):
+        return x.dtype != torch.float64
+    return isinstance(x, np.generic) and x.dtype != np.float64
 
 
 _TAKEN: set = set()  # the numbers and kinds of tensors _refuse_as_torch saw taken at step 1
@@ -92,6 +105,12 @@ def _refuse_as_torch(hyper: dict, tensors: list[tuple[Tensor, Tensor, Tensor, Te
     which numbers an op takes), at step 1. At a later step ``clr = lr / (1 + (step - 1) * lr_decay)``
     may be smaller than ``lr``: where step 1 is refused, each tensor is tried in order at its own next
     step, which reads the step counts (from the device), as torch's update does."""
+    if tensors and _negative(hyper["lr_decay"]):
+        # (set in param_groups: the constructor refuses it) the rate's denominator 1 + (step - 1) * lr_decay
+        # may reach 0 at a later step, where torch's division raises: each tensor at its own next step
+        for p, g, s, t in tensors:
+            _try_on_stand_ins(_kind(p, g, s), float(t) + 1, hyper)
+        return
     kinds = tuple(dict.fromkeys(_kind(p, g, s) for p, g, s, _ in tensors)) or (
         (torch.float64,) * 3 + (False,),
     )
@@ -111,6 +130,13 @@ def _refuse_as_torch(hyper: dict, tensors: list[tuple[Tensor, Tensor, Tensor, Te
             raise
         for p, g, s, t in tensors:
             _try_on_stand_ins(_kind(p, g, s), float(t) + 1, hyper)
+
+
+def _negative(x: object) -> bool:
+    try:
+        return bool(x < 0)  # type: ignore[operator]
+    except (TypeError, RuntimeError):  # a complex number, a tensor of several elements: refused elsewhere
+        return False
 
 
 def _kind(p: Tensor, g: Tensor, s: Tensor) -> tuple[torch.dtype, torch.dtype, torch.dtype, bool]:
@@ -184,9 +210,12 @@ def adagrad(
         )
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
         _check(i, p, g, s, t)
+    given_eps = eps
     lr, lr_decay, weight_decay, eps, maximize = hyperparameters(
         lr, lr_decay, weight_decay, eps, maximize, zip(params, grads, state_sums, state_steps)
     )
+    if differentiable and isinstance(given_eps, Tensor) and given_eps.requires_grad:
+        eps = given_eps.reshape(())  # torch's update adds it to the root of the sum on the tape
     return adagrad_unchecked(
         params,
         grads,
