@@ -934,6 +934,36 @@ def test_a_transposed_input_gives_torchs_contiguous_output():
     torch.testing.assert_close(y, ref)
 
 
+@pytest.mark.parametrize("create_graph", [False, True], ids=["backward", "create-graph"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    ("shape", "order"),
+    [((4, 7, 3), (0, 2, 1)), ((5, 3, 2, 4), (3, 0, 1, 2)), ((3, 2, 4, 4), (0, 2, 3, 1))],
+    ids=["transposed-3d", "batch-last-4d", "channels-last-4d"],
+)
+def test_the_input_gradient_has_torchs_layout(shape, order, training, create_graph):
+    """The input's gradient as the op hands it on (a hook upstream sees it, and may ``view`` it): torch's
+    batch norm returns it contiguous for an input of odd strides, channels_last for a channels_last one.
+    tandem's kept the input's strides."""
+    base = torch.randn(shape, dtype=torch.float64)
+    mask = torch.ones(base.permute(order).shape[:1] + base.permute(order).shape[2:], dtype=torch.bool)
+    grads = []
+    for bn in (tandem.nn.SyncBatchNorm(shape[order[1]]), torch.nn.BatchNorm1d(shape[order[1]])):
+        bn = bn.double().train(training)
+        if isinstance(bn, torch.nn.BatchNorm1d) and len(shape) == 4:
+            bn = torch.nn.BatchNorm2d(shape[order[1]]).double().train(training)
+        h = base.clone().requires_grad_()
+        x = h.permute(order)
+        seen = []
+        x.register_hook(seen.append)
+        y = bn(x, mask=mask) if isinstance(bn, tandem.nn.SyncBatchNorm) else bn(x)
+        torch.autograd.grad(y.square().sum(), h, create_graph=create_graph)
+        grads.append(seen[0])
+    ours, theirs = grads
+    assert ours.stride() == theirs.stride(), (ours.stride(), theirs.stride())
+    torch.testing.assert_close(ours, theirs)
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train-untracked", "eval"])
 def test_masked_forward_ad_and_torch_func_are_batchnorms_over_the_real_frames(training):
     """Forward-mode AD (a jvp) and torch.func.grad through the masked path (its kernels' backward is

@@ -378,6 +378,8 @@ class _SyncBatchNorm(torch.autograd.Function):
                 dx = syncbn_bwd_ref(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask, out=dx)
             else:
                 dx = torch.ops.tandem.syncbn_bwd(dy, x, mean, invstd, weight, mean_dy, mean_dy_xhat, mask)
+        if dx is not None:  # in torch's layout, as its batch norm's: a hook upstream may view it
+            dx = _torch_layout(dx)
         return dx, dw, db, None, None, None, None, None, None, None
 
 
