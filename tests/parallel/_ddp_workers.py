@@ -586,6 +586,11 @@ def _check_mismatch(rank: int, world: int) -> dict[str, Any]:
         "shape": lambda: torch.nn.Linear(6, 9 if rank == world - 1 else 8),
         "dtype": lambda: torch.nn.Linear(6, 8).to(torch.float64 if rank == 1 else torch.float32),
         "count": lambda: torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 + (rank == 0))]),
+        # the same values in another memory order (torch refuses it too): the buckets would sum the
+        # ranks' gradients element by element in each rank's own order
+        "strides": lambda: torch.nn.Conv2d(2, 4, 3).to(
+            memory_format=torch.channels_last if rank == 0 else torch.contiguous_format
+        ),
     }
     for name, make in cases.items():
         try:
@@ -718,7 +723,7 @@ def _check_layouts_and_user_hooks(rank: int, world: int) -> dict[str, Any]:
     xs = [torch.randn(3, 2, 6, 6, dtype=torch.float64, generator=gen) for _ in range(4)]
 
     def run(case: str, cls: type) -> dict[str, Any]:
-        if case == "powersgd_syncbn":
+        if case in ("powersgd_syncbn", "own_result_syncbn"):
             # PowerSGD's first steps (start_powerSGD_iter, 10 by default) all-reduce the buckets as they
             # are, on the default group; compressed, several buckets hang torch's DDP on Gloo too
             torch.manual_seed(8)
@@ -726,8 +731,11 @@ def _check_layouts_and_user_hooks(rank: int, world: int) -> dict[str, Any]:
             layers = [linear(8, 32), sbn(32), relu(), linear(32, 32), sbn(32), relu(), linear(32, 4)]
             model = torch.nn.Sequential(*layers)
             wrapper = cls(model, bucket_cap_mb=0.001)
-            state = powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1000)
-            wrapper.register_comm_hook(state, powersgd.powerSGD_hook)
+            if case == "powersgd_syncbn":
+                state = powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1000)
+                wrapper.register_comm_hook(state, powersgd.powerSGD_hook)
+            else:  # a hook that ignores its state: its all-reduce is on the default group
+                wrapper.register_comm_hook(None, _own_result_hook)
             steps = torch.Generator().manual_seed(rank)
             for _ in range(4):
                 model.zero_grad()
@@ -751,7 +759,8 @@ def _check_layouts_and_user_hooks(rank: int, world: int) -> dict[str, Any]:
                 wrapper(xs[step]).square().sum().backward()
         return {"grads": grads(model), "buffers": dict(model.named_buffers())}
 
-    for case in ("own_result", "powersgd", "clip_after", "two_forwards", "powersgd_syncbn"):
+    cases = ("own_result", "powersgd", "clip_after", "two_forwards", "powersgd_syncbn", "own_result_syncbn")
+    for case in cases:
         for side, cls in (("torch", TorchDDP), ("tandem", TandemDDP)):
             try:
                 out[f"{case}_{side}"] = run(case, cls)
@@ -777,6 +786,31 @@ class ScaleAndWeight(torch.nn.Module):
         return x * self.w, self.w
 
 
+def _check_many_wrappers(rank: int, world: int) -> dict[str, Any]:
+    """Wrappers made, trained a step and dropped one after another (a search over settings, folds): the
+    threads and open files of the process after 3 and after 23 of them, and each one's gradients."""
+    import gc
+    import os
+
+    def resources() -> tuple[int, int]:
+        gc.collect()
+        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))  # threads, files
+
+    seen, right = {}, True
+    for k in range(23):
+        torch.manual_seed(k)
+        model = torch.nn.Linear(4, 2, dtype=torch.float64)
+        ddp = TandemDDP(model, timeout=CHECK_TIMEOUT_S)
+        x = torch.full((3, 4), float(rank + 1), dtype=torch.float64)
+        ddp(x).sum().backward()
+        # each rank's 3 rows of rank + 1: the average of 3 (r + 1) over the ranks
+        right &= torch.allclose(model.weight.grad, torch.full((2, 4), 1.5 * (world + 1), dtype=torch.float64))
+        del ddp, model
+        if k + 1 in (3, 23):
+            seen[k + 1] = resources()
+    return {"seen": seen, "right": right}
+
+
 MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "single_process": _check_single_process,
     "recognizer": _check_recognizer,
@@ -790,6 +824,7 @@ MAIN_CHECKS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "drop_in": _check_drop_in,
     "static_graph_reentrant": _check_static_graph_reentrant,
     "layouts_and_user_hooks": _check_layouts_and_user_hooks,
+    "many_wrappers": _check_many_wrappers,
 }
 
 

@@ -152,13 +152,18 @@ def test_drop_in_cases_equal_torchs_ddp(main_results):
             assert_same_state(ours["buffers"], theirs["buffers"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", ["own_result", "powersgd", "clip_after", "two_forwards", "powersgd_syncbn"])
+@pytest.mark.parametrize(
+    "case", ["own_result", "powersgd", "clip_after", "two_forwards", "powersgd_syncbn", "own_result_syncbn"]
+)
 def test_layouts_and_user_hooks_as_torchs_ddp(main_results, case):
     """(_check_layouts_and_user_hooks) channels_last and transposed parameters through a hook's own
     result and through PowerSGD, a post-accumulate-grad hook registered after wrapping, two forwards
     before one backward, PowerSGD's default group beside SyncBatchNorm (which deadlocked, or Gloo aborted:
     the buckets went on the default group from the communication thread while SyncBatchNorm's backward
-    used it): torch's gradients and buffers."""
+    used it), and a hook that all-reduces on the default group whatever its state says, as torch's
+    docstring's example, beside SyncBatchNorm (it was called on the communication thread: its
+    all-reduces and SyncBatchNorm's came in another order on each rank, a deadlock; torch calls hooks on
+    the autograd thread, as tandem now does): torch's gradients and buffers."""
     for res in check(main_results, "layouts_and_user_hooks"):
         ours, theirs = res[f"{case}_tandem"], res[f"{case}_torch"]
         if (
@@ -315,7 +320,17 @@ def test_a_bucket_hook_sees_torchs_buckets_at_every_step(main_results, mode):
     assert ours[0] != ours[-1] if mode != "find_unused" else ours[0] == ours[-1]
 
 
-@pytest.mark.parametrize("case", ["shape", "dtype", "count"])
+def test_wrappers_made_one_after_another_hold_no_more_threads_or_files(main_results):
+    """Each wrapper made a process group of its own (for its communication thread) that nothing ever
+    destroyed: 5 files and 3 threads a wrapper, ~200 wrappers to exhaust 1,024 file descriptors. One
+    thread and one private group now serve every wrapper of the world."""
+    for res in check(main_results, "many_wrappers"):
+        assert res["right"]  # every wrapper averaged its ranks' gradients
+        (threads, files), (threads_after, files_after) = res["seen"][3], res["seen"][23]
+        assert threads_after <= threads and files_after <= files + 4, res["seen"]  # (20 more: +60, +100)
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "count", "strides"])
 def test_mismatched_models_rejected_on_every_rank(main_results, case):
     for r, res in enumerate(check(main_results, "mismatch")):
         msg = res[case]

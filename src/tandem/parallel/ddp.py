@@ -499,8 +499,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         # Copies are memory passes that need not hold up backward. For CPU buckets the gradients go into
-        # their bucket, and buckets are launched, on a communication thread (one per wrapper, in order,
-        # so collectives are issued in the same order on every rank); the thread that completes an
+        # their bucket, and buckets are launched, on a communication thread (in submission order, so
+        # collectives are issued in the same order on every rank); the thread that completes an
         # all-reduce copies the result back to .grad (unless find_unused_parameters needs the used map
         # first). CUDA copies are asynchronous already and stay on the caller's stream.
         on_cpu = self._comm_device.type == "cpu"
@@ -514,8 +514,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         # A copy (deepcopy, pickle) does the same: making a group is a collective, and a copy may be
         # made on one rank alone.
         use_thread = threaded and on_cpu and not self.gradient_as_bucket_view and _spans_world(process_group)
-        self._comm_thread = _CommThread() if use_thread else None
-        self._comm_group = dist.new_group() if use_thread and self.world_size > 1 else process_group
+        # One thread and one private group serve every such wrapper of the world (in one queue, so that
+        # two wrappers' collectives also come in the same order on every rank): a group a wrapper kept
+        # its files and threads open until the process ended (~200 wrappers exhausted 1024 descriptors)
+        self._comm_thread, self._comm_group = None, process_group
+        if use_thread:
+            self._comm_thread, private = _shared_comm()
+            self._comm_group = private if self.world_size > 1 else process_group
+        self._comm_errors: list[Exception] = []  # what this wrapper's tasks on the thread raised
         self._copy_when_done = on_cpu and not self._find_unused and not self.gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
 
@@ -656,7 +662,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             return
         params = [(n, t) for n, t in self.module.named_parameters() if n not in self._ignored]
         described = [
-            f"parameter {name!r} of shape {list(t.shape)}, {t.dtype}, requires_grad={t.requires_grad}"
+            # the strides too, as torch checks them: the buckets view each rank's gradients in its
+            # parameter's memory order, and buffers of different orders would be summed element by element
+            f"parameter {name!r} of shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype}, "
+            f"requires_grad={t.requires_grad}"
             for name, t in params
         ]
         buffers = self._shared_buffers(self._init_sync_buffers)
@@ -793,6 +802,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         if self._in_backward:
             raise RuntimeError("register_comm_hook: cannot register a hook during backward")
+        if self._comm_thread is not None:
+            # torch's reducer calls a hook on the autograd thread, in backward's order. A hook may issue
+            # collectives of its own on the default group (torch's docstring's example ignores its
+            # state): from the communication thread they would interleave with the program's (a
+            # SyncBatchNorm's backward all-reduce) in another order on each rank, and the ranks would
+            # mix up their messages. With a hook, buckets are launched from the autograd thread, on the
+            # wrapper's group, as for a subgroup.
+            self._comm_thread.drain(self.timeout)
+            self._comm_thread, self._comm_group = None, self.process_group
         self._comm_state, self._comm_hook = state, hook
 
     def join(
@@ -1101,7 +1119,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def _submit(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the communication thread (in submission order), or here for CUDA buckets."""
         if self._comm_thread is not None:
-            self._comm_thread.submit(task)
+            self._comm_thread.submit(task, self._comm_errors)
         else:
             task()
 
@@ -1134,22 +1152,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 [self._params[i] for i in bucket.members],
                 bucket.index == len(self._buckets) - 1,
             )
-            # A hook's state None means "the default group" to torch's hooks: the private one here, for
-            # the reason above (only a hook that names a group of its own uses that one), as it does for
-            # the default group or the wrapper's named as the state. A state whose process_group is one
-            # of those (PowerSGDState(process_group=None)) reaches the hook with the private group, and
-            # everything else of the state its own.
-            state = self._comm_state
-            if self._comm_thread is not None:
-                if _is_the_default_group(state, self.process_group):
-                    state = self._comm_group
-                elif (
-                    hasattr(state, "process_group")
-                    and not isinstance(state, dist.ProcessGroup)
-                    and _is_the_default_group(state.process_group, self.process_group)
-                ):
-                    state = _OnGroup(state, self._comm_group)
-            fut = self._comm_hook(state, grad_bucket)
+            fut = self._comm_hook(self._comm_state, grad_bucket)
             # Future.then() returns the C++ future class: check what is used, not the Python type.
             if not (hasattr(fut, "add_done_callback") and hasattr(fut, "wait")):
                 raise RuntimeError(  # torch's type
@@ -1297,8 +1300,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 raise
             if not b.copied:
                 self._copy_out(b, reduced, skip)
-        if self._comm_thread is not None and self._comm_thread.errors:
-            raise self._comm_thread.errors.pop(0)
+        if self._comm_errors:
+            raise self._comm_errors.pop(0)
 
     def _await(self, task: _Bucket | _Op, deadline: float, what: str) -> Any:
         """The value of ``task``'s collective (a bucket's, or another of ours), waited for until ``deadline``;
@@ -1404,27 +1407,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             raise
 
 
-def _is_the_default_group(named: object, group: dist.ProcessGroup | None) -> bool:
-    """Whether ``named`` (a hook's state, or its ``process_group``) means the default group to torch's
-    hooks: None, the default group itself, or ``group`` (the wrapper's, which spans the same ranks)."""
-    return named is None or named is dist.group.WORLD or named is group
-
-
-class _OnGroup:
-    """A hook's state as the hook sees it on the communication thread: its ``process_group`` the wrapper's
-    private group, every other attribute (read or set) the state's own."""
-
-    def __init__(self, state: object, group: dist.ProcessGroup) -> None:
-        object.__setattr__(self, "_state", state)
-        object.__setattr__(self, "process_group", group)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_state"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(object.__getattribute__(self, "_state"), name, value)
-
-
 def _spans_world(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` (None: the default group) holds every rank of the world."""
     return group is None or dist.get_world_size(group) == dist.get_world_size()
@@ -1471,37 +1453,61 @@ class _Op:
 
 
 class _CommThread:
-    """A daemon thread running submitted tasks in order: gradient copies and bucket launches.
-
-    Tasks hold what they need; the thread holds nothing else, and stops when its owner is collected.
-    """
+    """A daemon thread running submitted tasks in order: gradient copies and bucket launches. What a task
+    raises goes to the list submitted with it, for the waiting thread to raise. Tasks hold what they need;
+    the thread holds nothing else, and stops at :meth:`stop` or when collected."""
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.errors: list[Exception] = []  # what tasks raised, for the waiting thread to raise
+        self._tasks: queue.SimpleQueue[tuple[Callable[[], None], list[Exception]] | None]
+        self._tasks = queue.SimpleQueue()
         self._thread = threading.Thread(
-            target=self._run, args=(self._tasks, self.errors), daemon=True, name="tandem-ddp-comm"
+            target=self._run, args=(self._tasks,), daemon=True, name="tandem-ddp-comm"
         )
         self._thread.start()
         weakref.finalize(self, self._tasks.put, None)
 
-    def submit(self, task: Callable[[], None]) -> None:
-        self._tasks.put(task)
+    def submit(self, task: Callable[[], None], errors: list[Exception]) -> None:
+        self._tasks.put((task, errors))
+
+    def stop(self) -> None:
+        """End the thread once the tasks submitted so far have run."""
+        self._tasks.put(None)
 
     def drain(self, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds) until the tasks submitted so far have run."""
         done = threading.Event()
-        self._tasks.put(done.set)
+        self._tasks.put((done.set, []))
         done.wait(wait_s(timeout))
 
     @staticmethod
-    def _run(tasks: queue.SimpleQueue, errors: list[Exception]) -> None:
-        while (task := tasks.get()) is not None:
+    def _run(tasks: queue.SimpleQueue) -> None:
+        while (item := tasks.get()) is not None:
+            task, errors = item
             try:
                 task()
             except Exception as e:
                 errors.append(e)
-            del task  # waiting for the next one must not keep this one's wrapper and tensors alive
+            del task, item  # waiting for the next one must not keep this one's wrapper and tensors alive
+
+
+# The world's default group -> (it, the communication thread, the private group): see _shared_comm
+_SHARED_COMM: dict[int, tuple[dist.ProcessGroup, _CommThread, dist.ProcessGroup | None]] = {}
+
+
+def _shared_comm() -> tuple[_CommThread, dist.ProcessGroup | None]:
+    """The communication thread and private group (None in a world of one) of the current default group's
+    world, made by its first threaded wrapper (making the group is a collective: every rank makes that
+    wrapper in the same order, as it makes every wrapper). Those of a default group since destroyed are
+    let go."""
+    world = dist.group.WORLD
+    entry = _SHARED_COMM.get(id(world))
+    if entry is None or entry[0] is not world:
+        for key, (_, thread, _) in list(_SHARED_COMM.items()):
+            thread.stop()
+            del _SHARED_COMM[key]
+        private = dist.new_group() if dist.get_world_size() > 1 else None
+        entry = _SHARED_COMM[id(world)] = (world, _CommThread(), private)
+    return entry[1], entry[2]
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
