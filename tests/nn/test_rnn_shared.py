@@ -298,6 +298,15 @@ def test_forward_mode_ad_and_torch_func_match_torch(torch_cls, tandem_cls):
     theirs = grads(dict(ref.named_parameters()), x, ref)
     assert list(got[0]) == list(theirs[0])
     torch.testing.assert_close(got, theirs)
+    # tensors of its own (detached), compiled by AOTAutograd: the layer stored functorch's wrappers in its
+    # weight cache while traced, and the compile failed ("Cannot access storage of TensorWrapper")
+    torch.compiler.reset()
+    got = torch.compile(grads, backend="aot_eager")(_detached(ours), x, ours)
+    torch.testing.assert_close(got, grads(_detached(ref), x, ref))
+
+
+def _detached(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in module.named_parameters()}
 
 
 def _sin_of_call(params: dict[str, torch.Tensor], x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:

@@ -75,6 +75,20 @@ class RNNLayers(torch.nn.RNNBase):
 
     _GATES: int  # gate blocks in the weights: 3 (GRU), 4 (LSTM)
 
+    def _weights_without_caching(self) -> dict[str, Tensor]:
+        """What :meth:`_current_weights` reads from the refreshed cache, computed as torch's refresh
+        (``_weights_have_changed``, then ``_init_flat_weights``) computes it, each weight evaluated as many
+        times (a parametrization such as ``spectral_norm`` steps its power iteration at each), without
+        writing the cache: under torch.compile the tensors may be functorch's wrappers (``torch.func.grad``
+        over ``functional_call``), whose storing on the module made the compile fail (torch's own layers
+        are not traced)."""
+        names = self._flat_weights_names
+        for ref, name in zip(self._flat_weight_refs, names):
+            weight = getattr(self, name) if hasattr(self, name) else None
+            if weight is not None and ref is not None and ref() is not weight:
+                return {n: getattr(self, n) if hasattr(self, n) else None for n in names}
+        return dict(zip(names, self._flat_weights))
+
     def _current_weights(self) -> dict[str, Tensor]:
         """The weights by name, as torch's forward takes them: its cache refreshed first
         (``_update_flat_weights``), so that ``torch.func.functional_call``'s tensors are seen and a
@@ -82,8 +96,11 @@ class RNNLayers(torch.nn.RNNBase):
         torch's. Attributes changed after construction that no longer describe the weights
         (``num_layers``, ``bidirectional``, ``bias``, ``hidden_size``, ``proj_size``, ``input_size``)
         are a RuntimeError, as in torch's GRU (whose LSTM raises or computes with what it finds)."""
-        self._update_flat_weights()
-        weights = dict(zip(self._flat_weights_names, self._flat_weights))
+        if torch.compiler.is_compiling():
+            weights = self._weights_without_caching()
+        else:
+            self._update_flat_weights()
+            weights = dict(zip(self._flat_weights_names, self._flat_weights))
         gates = self._GATES * self.hidden_size
         out = self.proj_size or self.hidden_size
         suffixes = ("", "_reverse") if self.bidirectional else ("",)
