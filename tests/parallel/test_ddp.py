@@ -397,10 +397,12 @@ def test_stalled_rank_makes_the_others_raise_after_the_timeout(tmp_path):
     assert timeout - 0.1 < res["elapsed"] < timeout + 2.0, res
 
 
-def test_needs_a_process_group():
-    if not torch.distributed.is_initialized():
-        with pytest.raises(RuntimeError, match="init_process_group"):
-            tandem.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+def test_needs_a_process_group_and_says_so_with_torchs_type():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError) as theirs:
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    with pytest.raises(theirs.type, match="init_process_group"):  # (tandem's was a RuntimeError)
+        tandem.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -386,7 +386,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 f"DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}"
             )
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
+            raise ValueError(  # torch's type
                 "DistributedDataParallel: the default process group has not been initialized; call "
                 "torch.distributed.init_process_group(...) first or pass process_group="
             )
