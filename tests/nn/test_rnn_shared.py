@@ -1227,3 +1227,30 @@ def test_an_inference_input_or_state_of_a_frozen_layer_as_torch(torch_cls, tande
     assert ours[0] == theirs[0], (ours, theirs)
     if theirs[0] == "ok":
         torch.testing.assert_close(ours[1], theirs[1])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize(
+    "method", ["check_forward_args", "get_expected_hidden_size", "check_hidden_size", "check_input"]
+)
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_a_subclass_overriding_the_checks_is_checked_as_torchs(torch_cls, tandem_cls, method, packed):
+    """torch's forward checks through ``self.check_forward_args`` (and what it calls), so a subclass's
+    override runs; its LSTM checks packed input in its op, with no Python check. tandem called its own
+    checks directly: an override of check_forward_args or get_expected_hidden_size never ran, and a
+    packed LSTM ran a subclass's check_input."""
+
+    def outcome(base):
+        def refuse(self, *args, **kwargs):
+            raise ValueError(f"the subclass's {method}")
+
+        sub = type("Checked", (base,), {method: refuse})
+        torch.manual_seed(0)
+        x = torch.randn(4, 2, 3)
+        try:
+            sub(3, 5)(pack_padded_sequence(x, [4, 2]) if packed else x)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    assert outcome(tandem_cls) == outcome(torch_cls)

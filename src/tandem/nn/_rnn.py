@@ -439,11 +439,22 @@ class RNNLayers(torch.nn.RNNBase):
         rows.batch_sizes = torch.full((steps,), rows.mini_batch, dtype=torch.long, device="cpu")
         rows.step_sizes = [rows.mini_batch] * steps
 
+    _CHECKS = ("check_forward_args", "get_expected_hidden_size", "check_hidden_size")
+
+    def _checks_overridden(self) -> bool:
+        """Whether a subclass overrides what torch's forward checks through (``check_forward_args`` and
+        the methods it calls): torch's forward then runs the override, as tandem's does. Otherwise the
+        checks are made with the batch of the rows, not read again from a PackedSequence's batch_sizes."""
+        cls = type(self)
+        own = next(c for c in cls.__mro__ if ours(c))
+        return any(getattr(cls, name) is not getattr(own, name) for name in self._CHECKS)
+
     def _check_state_size(self, rows: Rows, state: Tensor, size: int, message: str) -> None:
         """torch's check_forward_args for one state, with the batch of ``rows`` (not read again from a
         PackedSequence's batch_sizes): the same checks, sizes and messages."""
         directions = 2 if self.bidirectional else 1
-        self.check_hidden_size(state, (self.num_layers * directions, rows.mini_batch, size), message)
+        expected = (self.num_layers * directions, rows.mini_batch, size)
+        torch.nn.RNNBase.check_hidden_size(self, state, expected, message)  # (not a subclass's: see callers)
 
     @staticmethod
     def _refuse_inference_weights(weights: list[Tensor], inputs: list[Tensor]) -> None:

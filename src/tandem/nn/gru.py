@@ -103,10 +103,13 @@ class GRU(RNNLayers):
             shape = (self.num_layers * num_directions, self._state_batch(rows), self.hidden_size)
             hx = torch.zeros(shape, dtype=rows.data.dtype, device=rows.data.device)
         hx = self._autocast_state(hx, dtype)
-        # torch.nn.GRU's check_forward_args: its checks and messages
+        # torch.nn.GRU's check_forward_args: its checks and messages (a subclass's own, where it has one)
         with self._as_called(dtype, rows.data):
-            self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
-        self._check_state_size(rows, hx, self.hidden_size, "Expected hidden size {}, got {}")
+            if self._checks_overridden():
+                self.check_forward_args(rows.checked, hx, rows.batch_sizes if rows.packed else None)
+            else:
+                self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
+                self._check_state_size(rows, hx, self.hidden_size, "Expected hidden size {}, got {}")
         self._check_devices_and_dtypes(rows.data, {"hx": hx}, weights_now["weight_ih_l0"])
         self._refuse_inference_weights(list(weights_now.values()), [rows.data, hx])
         if dtype is None:  # (autocast casts the weights)

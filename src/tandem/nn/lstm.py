@@ -83,6 +83,8 @@ class LSTM(RNNLayers):
         # takes is taken the same way, and every wrong one (an unknown keyword included) raises torch's error
         super().__init__("LSTM", *args, **kwargs)
 
+    _CHECKS = (*RNNLayers._CHECKS, "get_expected_cell_size")
+
     def get_expected_cell_size(self, input: Tensor, batch_sizes: Tensor | None) -> tuple[int, int, int]:
         if batch_sizes is not None:
             mini_batch = int(batch_sizes[0])
@@ -181,10 +183,18 @@ class LSTM(RNNLayers):
             shape = (self.num_layers * num_directions, self._state_batch(rows))
             kwargs = dict(dtype=rows.data.dtype, device=rows.data.device)
             hx = (torch.zeros(*shape, out_size, **kwargs), torch.zeros(*shape, self.hidden_size, **kwargs))
-        # torch.nn.LSTM's check_forward_args (above): its checks and messages
+        # torch.nn.LSTM's check_forward_args (above): its checks and messages. A subclass's own, where it
+        # has one, runs for input that is not packed, as in torch's forward (which checks packed input in
+        # its op, as the checks below do)
+        overridden = not rows.packed and self._checks_overridden()
         try:
             with self._as_called(dtype, rows.data):
-                self.check_input(rows.checked, rows.batch_sizes if rows.packed else None)
+                if overridden:
+                    self.check_forward_args(rows.checked, hx, None)
+                elif rows.packed:  # (torch's op's check: not a subclass's check_input)
+                    torch.nn.RNNBase.check_input(self, rows.checked, rows.batch_sizes)
+                else:
+                    self.check_input(rows.checked, None)
         except ValueError as e:
             if not rows.packed:
                 raise
@@ -193,8 +203,9 @@ class LSTM(RNNLayers):
             raise RuntimeError(
                 _product_refusal(rows.data, weights_now["weight_ih_l0"], bias, str(e))
             ) from None
-        self._check_state_size(rows, hx[0], out_size, "Expected hidden[0] size {}, got {}")
-        self._check_state_size(rows, hx[1], self.hidden_size, "Expected hidden[1] size {}, got {}")
+        if not overridden:
+            self._check_state_size(rows, hx[0], out_size, "Expected hidden[0] size {}, got {}")
+            self._check_state_size(rows, hx[1], self.hidden_size, "Expected hidden[1] size {}, got {}")
         # what torch's lstm op refuses once the checks above passed (packed and unbatched input have made a
         # pair of hx by then, in torch's forward as here)
         if isinstance(hx, Tensor):
