@@ -993,6 +993,31 @@ def test_a_flag_set_to_a_non_bool_is_refused_as_torch_refuses_it(torch_cls, tand
     assert said[1] == said[0]
 
 
+@pytest.mark.parametrize(
+    "attr, value, when",
+    [("num_layers", True, "made"), ("num_layers", True, "set"), ("input_size", 3.0, "set")],
+)
+@pytest.mark.parametrize("torch_cls, tandem_cls", PAIRS)
+def test_a_size_that_is_no_int_is_taken_or_refused_as_torch_does(torch_cls, tandem_cls, attr, value, when):
+    """``num_layers=True`` (the constructor takes a bool as an int): torch's op raises a TypeError, and
+    tandem's kernels ran one layer. An ``input_size`` of 3.0: torch's forward compares it with the input's
+    3 and computes, and tandem's reshape raised a TypeError."""
+    said = []
+    for cls in (torch_cls, tandem_cls):
+        torch.manual_seed(0)
+        module = cls(3, 4, **({attr: value} if when == "made" else {}))
+        if when == "set":
+            setattr(module, attr, value)
+        try:
+            said.append(module(torch.randn(5, 2, 3))[0])
+        except TypeError as e:
+            said.append(str(e).splitlines()[0])
+    if isinstance(said[0], str):
+        assert said[1] == said[0]
+    else:
+        torch.testing.assert_close(said[1], said[0])
+
+
 @pytest.mark.parametrize("hx_size", [None, 2, 6])
 def test_gru_given_proj_size_positionally_raises_as_torch(hx_size):
     """torch.nn.GRU refuses ``proj_size=`` but not the same value passed positionally: it builds a

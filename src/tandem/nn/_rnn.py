@@ -266,10 +266,14 @@ class RNNLayers(torch.nn.RNNBase):
     def _settings_torch_refuses(self) -> bool:
         """Settings set after construction (or given positionally) that torch's op refuses: a flag that is
         not a bool (``m.batch_first = 0``: its TypeError), a GRU with a ``proj_size`` (the constructor
-        refuses only the keyword; every forward raises). tandem's kernels would read them as true or
-        false: torch's own forward runs, for its error."""
+        refuses only the keyword; every forward raises), sizes that are not ints (``num_layers=True``: its
+        op's TypeError; an ``input_size`` of 3.0, which its forward compares and takes). tandem's kernels
+        would read them as true or false, or as numbers: torch's own forward runs, for its error or its
+        result."""
         flags = (self.bidirectional, self.batch_first, self.bias, self.training)
         if not all(isinstance(f, bool) for f in flags) or not isinstance(self.proj_size, int):
+            return True
+        if not all(type(n) is int for n in (self.num_layers, self.input_size, self.hidden_size)):
             return True
         return self.mode != "LSTM" and self.proj_size != 0
 
