@@ -324,6 +324,34 @@ def test_a_compiled_step_follows_a_scheduler_tensor_lr_without_recompiling(optio
     assert ours_lr is not their_lr and ours_lr.item() == their_lr.item() == pytest.approx(0.1 * 0.7**12)
 
 
+@pytest.mark.parametrize(
+    "lr, lr_decay",
+    [
+        (lambda: torch.tensor(0.1), lambda: torch.tensor(0.05)),
+        (lambda: 0.1, lambda: torch.tensor(0.05)),
+        (lambda: torch.tensor(0.1), lambda: np.float32(0.05)),
+        (lambda: torch.tensor(complex(0.1, 0)), lambda: 0.05),
+    ],
+    ids=["tensors", "tensor-lr_decay", "numpy-lr_decay", "complex-lr"],
+)
+def test_a_compiled_step_takes_an_lr_and_lr_decay_of_other_types_as_torchs(lr, lr_decay):
+    """Eager, these send the step the per-tensor way (torch's decayed rate in their dtype); compiled, the
+    kernels take them as numbers, as before: the per-tensor way handed a tensor lr_decay to the op (a float
+    argument), and float() to a complex lr, and the compile failed. torch's compiled steps: last bits."""
+    torch.compiler.reset()
+    steps = []
+    for cls in (Adagrad, torch.optim.Adagrad):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 4))
+        opt = cls([p], lr=0.1)
+        opt.param_groups[0].update(lr=lr(), lr_decay=lr_decay())
+        step = torch.compile(opt.step, backend="eager")
+        for t in range(3):
+            p.grad = torch.cos(p.detach() * (t + 1))
+            step()
+        steps.append(p.detach())
+    torch.testing.assert_close(steps[0], steps[1], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_converged_compares_the_change_with_tol_itself(dtype):
     """A first step of lr 0.1 moves each element by float32(0.1) = 0.10000000149 > 0.1: tol=0.1 was met
@@ -676,6 +704,23 @@ _NARROW_NUMBERS = {
 }
 
 
+@pytest.mark.parametrize("lr", [torch.tensor(0.1), torch.tensor(0.1, dtype=torch.float64)], ids=str)
+def test_a_tensor_lr_with_a_negative_lr_decay_divides_by_zero_as_torchs(lr):
+    """A tensor lr divided by a denominator of 0 is inf in torch's update (a Python number's division
+    raises): the parameters go to -inf, no error, in both."""
+
+    def run(cls):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 4))
+        opt = cls([p], lr=0.1)
+        opt.param_groups[0].update(lr=lr.clone(), lr_decay=-0.5)  # the denominator is 0 at step 3
+        for _ in range(3):
+            p.grad = torch.ones(4)
+            opt.step()
+        return p.detach()
+
+    assert torch.equal(run(Adagrad), run(torch.optim.Adagrad))
+
+
 @pytest.mark.parametrize("two", [False, True], ids=["one-parameter", "with-a-non-contiguous-one"])
 def test_a_negative_lr_decay_whose_rate_divides_by_zero_later_raises_torchs_error_before_any_change(two):
     """An lr_decay of -1 set in param_groups (the constructor refuses it): at step 2 torch's
@@ -920,6 +965,26 @@ def test_a_group_added_with_other_differentiable_steps_as_torch():
     error = "a leaf Variable that requires grad is being used in an in-place operation."
     assert _raised(lambda: made_differentiable(torch.optim.Adagrad)) == (RuntimeError, error)
     assert _raised(lambda: made_differentiable(Adagrad)) == (RuntimeError, error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("key", ["lr", "lr_decay"])
+def test_the_functional_differentiable_step_refuses_an_lr_or_lr_decay_that_requires_grad(key, dtype):
+    """As the optimizer (next test), ``tandem.ops.adagrad(..., differentiable=True)`` in grad mode: torch's
+    TypeError, raised by tandem before the step is counted (a float64 lr_decay stepped, a float32 one
+    raised after counting it)."""
+    from torch.optim.adagrad import adagrad as torch_adagrad
+
+    hyper = {"lr": 0.1, "lr_decay": 0.0, key: torch.tensor(0.05, dtype=dtype, requires_grad=True)}
+    said = []
+    for fn in (torch_adagrad, tandem.ops.adagrad):
+        q = torch.linspace(-1, 1, 4, dtype=torch.float64, requires_grad=True) * 1.0
+        s, t = torch.zeros(4, dtype=torch.float64), torch.zeros((), dtype=torch.float32)
+        with pytest.raises(TypeError) as caught:
+            fn([q], [torch.ones(4, dtype=torch.float64)], [s], [t], weight_decay=0.0, eps=1e-10,
+               maximize=False, differentiable=True, **hyper)  # fmt: skip
+        said.append((caught.type, t.item(), s.sum().item()))
+    assert said[1] == (TypeError, 0.0, 0.0) and said[0][0] is TypeError
 
 
 @pytest.mark.parametrize("key", ["lr", "lr_decay"])
@@ -1358,3 +1423,26 @@ def test_refusals_and_edge_steps_as_torch(case):
         assert states[1] == [(0.0, [0.0, 0.0])] * 2  # nothing changed (torch's first parameter moved on)
     elif case == "zero-size-tracked":
         assert outcomes[0] == "stepped" and states[1] == states[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("tracked", [False, True], ids=["plain", "tol"])
+def test_a_step_counts_a_version_so_a_kept_graph_refuses_a_second_backward_as_torchs(dtype, tracked):
+    """torch's default updates the parameters with in-place ops, which count their versions: a graph kept
+    with ``retain_graph`` that saved a parameter refuses a backward after the step. The fused CPU kernel
+    writes behind autograd's back, and the second backward ran on the new values without a word (as it
+    does with torch's ``fused=True``)."""
+    said = []
+    for make in (torch.optim.Adagrad, lambda ps, **kw: Adagrad(ps, tol=1e-9 if tracked else None, **kw)):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 4, dtype=dtype))
+        opt = make([p], lr=0.1)
+        loss = (p * p).sum()  # saves p
+        loss.backward(retain_graph=True)
+        version = p._version
+        opt.step()
+        try:
+            loss.backward()
+            said.append((p._version > version, None))
+        except RuntimeError as e:
+            said.append((p._version > version, str(e).split(";")[0]))
+    assert said[1] == said[0] and said[0][1] is not None

@@ -19,6 +19,7 @@ from tandem.ops.adagrad import (
     check_state_device,
     hyperparameters,
     refuse_early,
+    refuse_off_the_tape,
     step_device,
 )
 
@@ -363,14 +364,7 @@ class Adagrad(Optimizer):
                         "a leaf Variable that requires grad is being used in an in-place operation."
                     )
                 lr = group["lr"]  # (a tensor of more elements: hyperparameters' TypeError, as torch's)
-                for key in ("lr", "lr_decay"):
-                    if differentiable and isinstance(group[key], Tensor) and group[key].requires_grad:
-                        # torch's update takes clr = lr / (1 + (step - 1) * lr_decay) as a number there (its
-                        # addcdiv_ refuses a tensor value): a gradient with respect to it would be lost
-                        raise TypeError(
-                            f"Adagrad: differentiable=True takes {key} as a number or a tensor that does not "
-                            "require grad, got a tensor that requires grad"
-                        )
+                refuse_off_the_tape(lr, group["lr_decay"], differentiable)
                 # read as torch's update reads them; what it refuses, with its error, before any group moves
                 hyper = hyperparameters(
                     lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"],

@@ -19,6 +19,7 @@ __all__ = [
     "check_state_device",
     "hyperparameters",
     "refuse_early",
+    "refuse_off_the_tape",
     "step_device",
 ]
 
@@ -62,11 +63,11 @@ def hyperparameters(
             return (lr, *rest)
         lr = lr.item()  # its value, for the checks and the kernels (a half one with lr_decay: below)
     _refuse_as_torch(dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize),
-                     list(tensors))  # fmt: skip
+                     list(tensors), given)  # fmt: skip
     maximize = bool(maximize)
     if isinstance(lr, complex):  # one torch's addcdiv_ took: its imaginary part is 0
         lr = lr.real
-    if _rounds_clr(given, lr_decay):
+    if not torch.compiler.is_compiling() and _rounds_clr(given, lr_decay):  # (compiled: the kernels' floats)
         # torch's per-tensor update divides lr by 1 + (step - 1) * lr_decay as they come: a tensor or numpy
         # number of another dtype than float64 rounds its clr to that dtype (float32: ~1e-8 from the float
         # the kernels would compute, float16 a relative 2e-4, bfloat16 4e-3). They stay as they are (a
@@ -75,6 +76,21 @@ def hyperparameters(
         decay = lr_decay.reshape(()) if isinstance(lr_decay, Tensor) else lr_decay
         return as_given, decay, _float(weight_decay), _float(eps), maximize
     return float(lr), _float(lr_decay), _float(weight_decay), _float(eps), maximize
+
+
+def refuse_off_the_tape(lr: object, lr_decay: object, on_tape: bool) -> None:
+    """torch's update takes ``clr = lr / (1 + (step - 1) * lr_decay)`` as a number: where it is computed
+    on the tape (``on_tape``: a differentiable step in grad mode) from an ``lr`` or ``lr_decay`` that
+    requires grad, its addcdiv_ refuses the tensor, with a TypeError, after counting the step and adding to
+    the sum. Here before anything changes: a gradient with respect to it would otherwise be lost."""
+    if not on_tape:
+        return
+    for key, value in (("lr", lr), ("lr_decay", lr_decay)):
+        if isinstance(value, Tensor) and value.requires_grad:
+            raise TypeError(
+                f"Adagrad: differentiable=True takes {key} as a number or a tensor that does not require "
+                "grad, got a tensor that requires grad"
+            )
 
 
 def _float(x: object) -> float:
@@ -99,7 +115,9 @@ def _narrow(x: object) -> bool:
 _TAKEN: set = set()  # the numbers and kinds of tensors _refuse_as_torch saw taken at step 1
 
 
-def _refuse_as_torch(hyper: dict, tensors: list[tuple[Tensor, Tensor, Tensor, Tensor]]) -> None:
+def _refuse_as_torch(
+    hyper: dict, tensors: list[tuple[Tensor, Tensor, Tensor, Tensor]], lr_as_given: object = None
+) -> None:
     """Raise what torch's per-tensor update raises for these numbers, in the order its ops raise it: its
     ops run on one-element stand-ins of each kind of tensor (the dtypes and the gradient's layout decide
     which numbers an op takes), at step 1. At a later step ``clr = lr / (1 + (step - 1) * lr_decay)``
@@ -107,7 +125,10 @@ def _refuse_as_torch(hyper: dict, tensors: list[tuple[Tensor, Tensor, Tensor, Te
     step, which reads the step counts (from the device), as torch's update does."""
     if tensors and _negative(hyper["lr_decay"]):
         # (set in param_groups: the constructor refuses it) the rate's denominator 1 + (step - 1) * lr_decay
-        # may reach 0 at a later step, where torch's division raises: each tensor at its own next step
+        # may reach 0 at a later step, where torch's division raises (a Python number's; a tensor lr's
+        # gives inf): each tensor at its own next step
+        if isinstance(lr_as_given, Tensor):
+            hyper = {**hyper, "lr": lr_as_given.reshape(())}
         for p, g, s, t in tensors:
             _try_on_stand_ins(_kind(p, g, s), float(t) + 1, hyper)
         return
@@ -210,6 +231,7 @@ def adagrad(
         )
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
         _check(i, p, g, s, t)
+    refuse_off_the_tape(lr, lr_decay, differentiable and torch.is_grad_enabled())
     given_eps = eps
     lr, lr_decay, weight_decay, eps, maximize = hyperparameters(
         lr, lr_decay, weight_decay, eps, maximize, zip(params, grads, state_sums, state_steps)

@@ -57,6 +57,16 @@ def fused_adagrad_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return hasattr(torch, "_fused_adagrad_") and device.type == "cpu" and dtype in _FUSED_DTYPES
 
 
+def bump_versions(tensors: list[Tensor]) -> None:
+    """Count a version of each of ``tensors``, as an in-place op does, after a kernel wrote them behind
+    autograd's back."""
+    try:
+        torch._C._increment_version(tensors)
+    except TypeError:  # torch versions whose binding takes one tensor
+        for t in tensors:
+            torch._C._increment_version(t)
+
+
 def unscale_like_grad_scaler_(grads: list[Tensor], grad_scale: Tensor) -> None:
     """Unscale ``grads`` (dense tensors, or sparse ones' values) in place as ``torch.amp.GradScaler.unscale_``
     does before torch's per-tensor and foreach updates: times the scale's reciprocal, taken in float64 and
@@ -234,6 +244,12 @@ def adagrad_step_ref(
             maxima.append(_fused_tracked(*fast_lists, **hyper, **amp))
         else:
             torch._fused_adagrad_(*fast_lists, **hyper, **amp)
+        if found_inf is None or not bool(found_inf.item() == 1.0):
+            # torch's default updates with in-place ops, which count a version (a graph kept with
+            # retain_graph that saved a parameter then refuses a second backward); its fused kernel, as this
+            # one, writes behind autograd's back: counted here, 2 us for 60 tensors (as the Triton path does)
+            changed = fast_lists[0] + fast_lists[2] + (fast_lists[1] if grad_scale is not None else [])
+            bump_versions(changed)
 
     if plain_lists is not None:
         # torch's fused kernels test found_inf on the host (CPU) or per block (CUDA); this fallback reads it.

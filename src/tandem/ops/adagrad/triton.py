@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tandem._device import on_tensors_device
+from tandem.ops.adagrad.reference import bump_versions
 
 __all__ = ["adagrad_step_triton"]
 
@@ -178,14 +179,6 @@ def _adagrad_step_kernel(
         tl.store(delta_ptr + i_c, tl.max(acc, axis=0))
 
 
-def _bump_versions(tensors: list[torch.Tensor]) -> None:
-    try:
-        torch._C._increment_version(tensors)
-    except TypeError:  # torch versions whose binding takes one tensor
-        for t in tensors:
-            torch._C._increment_version(t)
-
-
 def _f64_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
@@ -302,7 +295,7 @@ def adagrad_step_triton(
         )
         # The kernel wrote behind autograd's back: bump the version counters as an in-place op would.
         bumped = [params[i] for i in keep] + [state_sums[i] for i in keep]
-        _bump_versions(bumped + [grads[i] for i in keep] if grad_scale is not None else bumped)
+        bump_versions(bumped + [grads[i] for i in keep] if grad_scale is not None else bumped)
         if track:
             maxima.append(delta.amax())
     if not track:
