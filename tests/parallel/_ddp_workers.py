@@ -591,6 +591,13 @@ def _check_mismatch(rank: int, world: int) -> dict[str, Any]:
         "strides": lambda: torch.nn.Conv2d(2, 4, 3).to(
             memory_format=torch.channels_last if rank == 0 else torch.contiguous_format
         ),
+        # a frozen parameter's are not: it is broadcast, not reduced (torch checks only those it reduces)
+        "frozen_strides": lambda: torch.nn.Sequential(
+            torch.nn.Conv2d(2, 4, 3)
+            .to(memory_format=torch.channels_last if rank == 0 else torch.contiguous_format)
+            .requires_grad_(False),
+            torch.nn.Linear(2, 2),
+        ),
     }
     for name, make in cases.items():
         try:

@@ -338,6 +338,11 @@ def test_mismatched_models_rejected_on_every_rank(main_results, case):
         assert "differ across ranks" in msg
 
 
+def test_a_frozen_parameter_of_other_strides_on_each_rank_is_taken_as_torch_takes_it(main_results):
+    for res in check(main_results, "mismatch"):
+        assert res["frozen_strides"] is None, res["frozen_strides"]
+
+
 @pytest.fixture(scope="module")
 def join_results(tmp_path_factory) -> list[dict[str, Any]]:
     results = run_group(tmp_path_factory.mktemp("ddp-join"), "join", WORLD, timeout_s=100)
@@ -403,6 +408,10 @@ def test_needs_a_process_group_and_says_so_with_torchs_type():
         torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
     with pytest.raises(theirs.type, match="init_process_group"):  # (tandem's was a RuntimeError)
         tandem.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError):  # torch checks the group first (tandem's was an AttributeError)
+        torch.nn.parallel.DistributedDataParallel("not a module")
+    with pytest.raises(ValueError, match="init_process_group"):
+        tandem.parallel.DistributedDataParallel("not a module")
 
 
 # ----------------------------------------------------------------------------------------------

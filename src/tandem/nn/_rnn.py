@@ -83,7 +83,7 @@ class RNNLayers(torch.nn.RNNBase):
         over ``functional_call``), whose storing on the module made the compile fail (torch's own layers
         are not traced)."""
         names = self._flat_weights_names
-        for ref, name in zip(self._flat_weight_refs, names):
+        for ref, name in zip(self._flat_weight_refs, names, strict=True):
             weight = getattr(self, name) if hasattr(self, name) else None
             if weight is not None and ref is not None and ref() is not weight:
                 return {n: getattr(self, n) if hasattr(self, n) else None for n in names}

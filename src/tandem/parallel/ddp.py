@@ -381,14 +381,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)  # join() sets its configuration
         self._divide_by_initial_world_size = True
-        if not isinstance(module, torch.nn.Module):
-            raise AttributeError(  # torch's type: its module.named_parameters() fails
-                f"DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}"
-            )
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             raise ValueError(  # torch's type
                 "DistributedDataParallel: the default process group has not been initialized; call "
                 "torch.distributed.init_process_group(...) first or pass process_group="
+            )
+        if not isinstance(module, torch.nn.Module):
+            raise AttributeError(  # torch's type: its module.named_parameters() fails
+                f"DistributedDataParallel: expected a torch.nn.Module, got {type(module).__name__}"
             )
         if bucket_cap_mb_list is not None and not all(c >= 0 for c in bucket_cap_mb_list):
             raise TypeError(  # torch's type (its C++ sizes are unsigned)
@@ -662,10 +662,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             return
         params = [(n, t) for n, t in self.module.named_parameters() if n not in self._ignored]
         described = [
-            # the strides too, as torch checks them: the buckets view each rank's gradients in its
-            # parameter's memory order, and buffers of different orders would be summed element by element
-            f"parameter {name!r} of shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype}, "
-            f"requires_grad={t.requires_grad}"
+            # the strides of those it reduces too, as torch checks them: the buckets view each rank's
+            # gradients in its parameter's memory order, and buffers of different orders would be summed
+            # element by element
+            f"parameter {name!r} of shape {list(t.shape)}, "
+            + (f"strides {list(t.stride())}, " if t.requires_grad else "")
+            + f"{t.dtype}, requires_grad={t.requires_grad}"
             for name, t in params
         ]
         buffers = self._shared_buffers(self._init_sync_buffers)
