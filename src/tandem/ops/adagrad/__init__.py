@@ -41,8 +41,9 @@ def hyperparameters(
     number depends on their dtypes (an ``lr`` of 1e39 overflows a float32 parameter's update, not a
     float64 one's). Without them the numbers are tried as for float64 tensors.
 
-    A float16 or bfloat16 tensor ``lr`` with ``lr_decay`` is returned as itself (0-d): torch's update
-    rounds its decayed rate to that dtype, which the per-tensor path does too (see :func:`_rounds_clr`).
+    With a non-zero ``lr_decay``, a tensor or numpy ``lr`` or ``lr_decay`` of another dtype than float64
+    is returned as itself (a tensor 0-d): torch's update computes its decayed rate in that dtype, which the
+    per-tensor path does too (see :func:`_rounds_clr`; eagerly: a compiled step takes the kernels' floats).
 
     Under ``torch.compile`` a real tensor ``lr`` stays a tensor, read by the op when it runs: reading it
     here would make the compiled step depend on its value, and recompile at every change an LR scheduler
