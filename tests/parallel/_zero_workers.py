@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +79,16 @@ def reference(world: int, steps: range, start: torch.nn.Module | None = None):
 
 def params(m: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in m.parameters()]
+
+
+def _check_one_rank_refuses(rank: int, world: int) -> dict[str, Any]:
+    """The last rank's constructor refuses its lr, and that rank lives on: the others waited in their
+    agreement for the whole timeout (the group's, 30 minutes by default), then raised a CommunicationError.
+    Each now raises at once, a ValueError naming the refusal."""
+    start = time.monotonic()
+    lr = -1.0 if rank == world - 1 else 0.1
+    error = _raises(lambda: ZeroAdagrad(model().parameters(), lr=lr, timeout=60.0))
+    return {"error": error, "seconds": time.monotonic() - start}
 
 
 def _raises(fn: Callable[[], Any]) -> str:
@@ -494,6 +505,7 @@ CHECKS = {
     "channels_last": _check_channels_last,
     "load_replaces_state": _check_load_replaces_state,
     "refusals": _check_refusals,
+    "one_rank_refuses": _check_one_rank_refuses,
 }
 
 

@@ -202,6 +202,16 @@ def test_different_parameters_raise_on_every_rank(group):
         assert res["error"].startswith("ValueError: ZeroAdagrad: the optimizer's parameters"), res["error"]
 
 
+def test_arguments_refused_on_one_rank_raise_on_every_rank_at_once(group):
+    world, results = group
+    per_rank = check(results, "one_rank_refuses")
+    assert per_rank[-1]["error"] == "ValueError: Invalid learning rate: -1.0"  # torch's words
+    for res in per_rank[:-1]:
+        assert res["error"].startswith("ValueError: ZeroAdagrad: the optimizer's parameters"), res["error"]
+        assert "Invalid learning rate: -1.0" in res["error"]
+    assert all(res["seconds"] < 20 for res in per_rank), per_rank  # (the timeout is 60 s)
+
+
 @pytest.mark.parametrize("when", ["after", "before"])
 def test_a_model_made_channels_last_trains_as_torchs(group, when):
     """Converted after the optimizer was made (one rank never moved the weight; two raised after each had

@@ -57,6 +57,7 @@ from tandem.optim.adagrad import GROUP_DEFAULTS, check_hyperparameters
 from tandem.parallel.comm import (
     all_reduce,
     check_same_on_all_ranks,
+    group_timeout_seconds,
     result,
     timeout_seconds,
     wait_event,
@@ -157,6 +158,38 @@ class _Transfer:
     device: torch.device
 
 
+def _refused(error: Exception, group: dist.ProcessGroup | None, params: list[Any]) -> None:
+    """A rank's constructor refused its arguments (``error``): take part in the agreement that the other
+    ranks' constructors wait in, so that each of them raises at once (a ValueError naming this rank's
+    error: the entries differ) instead of waiting for the timeout, 30 minutes by default. Every rank given
+    the same bad arguments agrees, and raises its own error. Nothing is done where no group can be used
+    (none initialised, one of one rank, a group this rank is not in); the agreement's own failure is not
+    raised (the caller raises ``error``)."""
+    try:
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_world_size(group) <= 1:
+            return
+        tensors = [p for p in params if isinstance(p, Tensor)]
+        if tensors:
+            device = tensors[0].device
+        elif dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        check_same_on_all_ranks(
+            [f"this rank's refusal: {type(error).__name__}: {error}"],
+            group,
+            device,
+            group_timeout_seconds(group),
+            "the optimizer's parameters and hyperparameters",
+            who=_WHO,
+            hint="Every rank must pass the same parameters, in the same order.",
+        )
+    except Exception:
+        pass
+
+
 class ZeroAdagrad(Optimizer):
     r"""Adagrad whose ``sum`` state is sharded over the ranks: each rank keeps and updates 1/N of it.
 
@@ -210,51 +243,55 @@ class ZeroAdagrad(Optimizer):
         process_group: dist.ProcessGroup | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> None:
-        # torch.optim.Adagrad's checks and messages, then ours: all before any state or communication.
-        check_hyperparameters(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
-        if fused and differentiable:
-            raise RuntimeError("`fused` does not support `differentiable`")  # torch's check, first
-        if fused and foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-        if differentiable:
-            raise ValueError(
-                "ZeroAdagrad: expected differentiable=False (a sharded step is not differentiable)"
-            )
-        seconds = timeout_seconds(timeout, _WHO, process_group)  # a bad one first; None: the group's own
-        if process_group is None and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "ZeroAdagrad: the default process group has not been initialized; call "
-                "torch.distributed.init_process_group(...) first or pass process_group="
-            )
-        self.timeout = seconds
-        defaults = dict(
-            lr=lr,
-            lr_decay=lr_decay,
-            eps=eps,
-            weight_decay=weight_decay,
-            initial_accumulator_value=initial_accumulator_value,
-            foreach=foreach,
-            maximize=maximize,
-            differentiable=False,
-            fused=fused,
-        )
-        self._constructing = True
-        super().__init__(params, defaults)
-        self._constructing = False
-        self._params = [p for group in self.param_groups for p in group["params"]]
-        first: dict[int, int] = {}
-        for i, p in enumerate(self._params):
-            problem = _unsupported(p)
-            if problem:
-                raise ValueError(f"ZeroAdagrad: parameter {i} (shape {tuple(p.shape)}) is {problem}")
-            if id(p) in first:
-                # torch's Adagrad warns and updates it twice a step; its shards would be cut twice here
+        # torch.optim.Adagrad's checks and messages, then ours: all before any state. A rank that refuses
+        # its arguments tells the others first (see _refused), which otherwise wait in the agreement below
+        try:
+            check_hyperparameters(lr, lr_decay, weight_decay, initial_accumulator_value, eps)
+            if fused and differentiable:
+                raise RuntimeError("`fused` does not support `differentiable`")  # torch's check, first
+            if fused and foreach:
+                raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+            if differentiable:
                 raise ValueError(
-                    f"ZeroAdagrad: parameter {i} (shape {tuple(p.shape)}) is parameter {first[id(p)]} "
-                    "again; pass each parameter once"
+                    "ZeroAdagrad: expected differentiable=False (a sharded step is not differentiable)"
                 )
-            first[id(p)] = i
-
+            seconds = timeout_seconds(timeout, _WHO, process_group)  # a bad one first; None: the group's own
+            if process_group is None and not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "ZeroAdagrad: the default process group has not been initialized; call "
+                    "torch.distributed.init_process_group(...) first or pass process_group="
+                )
+            self.timeout = seconds
+            defaults = dict(
+                lr=lr,
+                lr_decay=lr_decay,
+                eps=eps,
+                weight_decay=weight_decay,
+                initial_accumulator_value=initial_accumulator_value,
+                foreach=foreach,
+                maximize=maximize,
+                differentiable=False,
+                fused=fused,
+            )
+            self._constructing = True
+            super().__init__(params, defaults)
+            self._constructing = False
+            self._params = [p for group in self.param_groups for p in group["params"]]
+            first: dict[int, int] = {}
+            for i, p in enumerate(self._params):
+                problem = _unsupported(p)
+                if problem:
+                    raise ValueError(f"ZeroAdagrad: parameter {i} (shape {tuple(p.shape)}) is {problem}")
+                if id(p) in first:
+                    # torch's Adagrad warns and updates it twice a step; its shards would be cut twice here
+                    raise ValueError(
+                        f"ZeroAdagrad: parameter {i} (shape {tuple(p.shape)}) is parameter {first[id(p)]} "
+                        "again; pass each parameter once"
+                    )
+                first[id(p)] = i
+        except Exception as e:
+            _refused(e, process_group, getattr(self, "_params", None) or [])
+            raise
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
