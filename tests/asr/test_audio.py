@@ -197,6 +197,25 @@ def test_an_ogg_vorbis_file_cut_short_that_decodes_to_no_samples_is_not_called_e
         read_audio(empty, name="empty")
 
 
+@pytest.mark.skipif("MP3" not in sf.available_formats(), reason="this libsndfile writes no MP3")
+def test_an_mp3_file_cut_short_is_refused_not_transcribed_in_part(tmp_path):
+    """An MP3's length comes from its Xing header, its samples from decoding: one cut in half decoded
+    half its samples, which were transcribed without a word (exit status 0). The whole file reads."""
+    data = io.BytesIO()
+    sf.write(data, 0.3 * np.sin(np.arange(16000) * 0.3)[:, None], 8000, format="MP3")
+    whole = data.getvalue()
+    assert read_audio(io.BytesIO(whole), name="whole.mp3")[0].shape[-1] == sf.info(io.BytesIO(whole)).frames
+    cut = whole[: len(whole) // 2]
+    announced = sf.info(io.BytesIO(cut)).frames
+    path = tmp_path / "cut.mp3"
+    path.write_bytes(cut)
+    for source in (path, io.BytesIO(cut)):
+        with pytest.raises(
+            AudioError, match=f"^cut.mp3: a truncated MP3 file: its header announces {announced}"
+        ):
+            read_audio(source, name="cut.mp3")
+
+
 def test_rifx_au_and_nist_sphere_sizes_are_their_headers_and_streams_are_read_whole(tmp_path):
     """Headers written by hand: a RIFX WAV's big-endian data size, an AU's data size and offset (big- or
     little-endian), a NIST SPHERE's sample_count x sample_n_bytes x channel_count after its text header

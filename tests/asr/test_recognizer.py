@@ -818,3 +818,16 @@ def test_a_files_seconds_are_its_share_by_length_of_its_batchs_time(tmp_path, ch
     assert [r.text for r in results] == ["a"] * 3 and clock[0] == 4.0
     assert [r.seconds for r in results] == pytest.approx([1.0 + s for s in share])
     assert sum(r.seconds for r in results) == pytest.approx(clock[0])
+
+
+@pytest.mark.parametrize("fit_edges", [False, True], ids=["one-pass", "fitted"])
+def test_transcripts_have_no_space_at_their_edges_nor_two_between_words(checkpoint, monkeypatch, fit_edges):
+    """Greedy decoding keeps the spaces a model says in noise: ' six', 'one  two' reached the user (a
+    comparison of strings counts them). The Recognizer's transcripts have single spaces between words."""
+    from tandem.asr import recognizer
+
+    said = [" one  two ", "  six", "three ", "", " "]
+    monkeypatch.setattr(recognizer, "greedy_decode", lambda log_probs, *_: said[: log_probs.shape[1]])
+    rec = Recognizer.from_checkpoint(checkpoint, fit_edges=fit_edges)
+    audio = [_burst(0.15, 0.3, seed=k) for k in range(len(said))]
+    assert rec.transcribe_batch(audio, 8000) == ["one two", "six", "three", "", ""]

@@ -94,6 +94,12 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _tidy(texts: list[str]) -> list[str]:
+    """Transcripts without the spaces that greedy decoding leaves at their edges and doubles between words
+    (a space the model heard in noise: ' six', 'one  two'), which a comparison of strings would count."""
+    return [" ".join(text.split()) for text in texts]
+
+
 class Recognizer:
     """A trained speech recognizer: waveforms or files in, transcripts out.
 
@@ -375,7 +381,7 @@ class Recognizer:
         audio, todo = list(mono), list(range(len(mono)))
         spans = self._pass(audio, todo, batch_size, texts)
         if not self.fit_edges:
-            return texts, time.perf_counter() - began
+            return _tidy(texts), time.perf_counter() - began
         for _ in range(MAX_CUTS):
             cuts = {i: self._kept(len(audio[i]), spans[i]) for i in todo}
             todo = [i for i in todo if cuts[i] is not None]
@@ -390,7 +396,7 @@ class Recognizer:
             for i in bare:
                 audio[i] = _padded(audio[i], round(PAD_MS * self.features.sample_rate / 1000))
             self._pass(audio, bare, batch_size, texts)
-        return texts, time.perf_counter() - began
+        return _tidy(texts), time.perf_counter() - began
 
     @property
     def _step(self) -> int:
