@@ -441,7 +441,7 @@ def test_a_signal_before_the_ranks_exist_reaches_each_as_it_starts(monkeypatch):
     sent = []
     monkeypatch.setattr(cli_train, "_children", lambda pid: list(ranks))
     monkeypatch.setattr(cli_train.os, "kill", lambda pid, sig: sent.append((pid, sig)))
-    handler = cli_train._LaunchSignals(Proc(), ranks=2)
+    handler = cli_train._LaunchSignals(Proc())
     handler(signal.SIGINT, None)
     handler.pass_on_pending()
     assert sent == [] and handler.pending == signal.SIGINT
@@ -450,7 +450,13 @@ def test_a_signal_before_the_ranks_exist_reaches_each_as_it_starts(monkeypatch):
     ranks.append(5001)
     handler.pass_on_pending()
     handler.pass_on_pending()
-    assert sent == [(5000, signal.SIGINT), (5001, signal.SIGINT)] and handler.pending is None
+    assert sent == [(5000, signal.SIGINT), (5001, signal.SIGINT)]
+    # a rank died as the request came: torchrun starts both again, which hear it too (they trained to the
+    # end of the run, exit status 0)
+    ranks[:] = [6000, 6001]
+    handler.pass_on_pending()
+    handler.pass_on_pending()
+    assert sent[2:] == [(6000, signal.SIGINT), (6001, signal.SIGINT)]
     assert handler.proc.kills == 0
 
 

@@ -856,7 +856,7 @@ class _LaunchSignals:
     first one delivered twice (systemd, Slurm and `timeout` send it to the process group and forward it
     too), as the workers take it. Ctrl-C twice is a person's second request."""
 
-    def __init__(self, proc: subprocess.Popen, after_step: bool = True, ranks: int = 1) -> None:
+    def __init__(self, proc: subprocess.Popen, after_step: bool = True) -> None:
         from tandem.asr.interrupt import StopRequests
 
         self.proc = proc
@@ -866,10 +866,10 @@ class _LaunchSignals:
         self.received: list[int] = []
         self._first = 0.0
         self._same_within = StopRequests.SAME_REQUEST_S
-        # a first signal that came before torchrun had started this node's ``ranks``: passed on to each as
-        # it appears (:meth:`pass_on_pending`; it was lost, and the run trained to its end)
+        # a first signal, passed on to every rank torchrun starts from then on (:meth:`pass_on_pending`): one
+        # that came before this node's ranks existed was lost, and so was one that came as a rank died
+        # (torchrun restarted the ranks, which never heard it): the run trained to its end, exit status 0
         self.pending: int | None = None
-        self._ranks = ranks
         self._signalled: set[int] = set()
 
     def __call__(self, signum: int, frame: object) -> None:
@@ -898,13 +898,12 @@ class _LaunchSignals:
         self.pass_on_pending()
 
     def pass_on_pending(self) -> None:
-        """Send a first signal to the ranks torchrun has started since it came (a rank that is still
-        importing holds it, and stops after its first step), until every rank of this node has it."""
+        """Send a first signal to the ranks torchrun has started since it came and that do not have it (a
+        rank that is still importing holds it, and stops after its first step): those it started before
+        the signal, and those it starts after, when a rank died and it restarts them all."""
         if self.pending is None or len(self.received) != 1:
             return
         self._signalled.update(self._to_ranks(self.pending, skip=self._signalled))
-        if len(self._signalled) >= self._ranks:
-            self.pending = None
 
     def _to_ranks(self, signum: int, skip: set[int] | None = None) -> list[int]:
         """Send ``signum`` to torchrun's children, this node's ranks, but those in ``skip``; returns the
@@ -959,7 +958,7 @@ def _launch(args: argparse.Namespace) -> int:
             start_holding_stop_signals if args.task == "asr" else die_with_parent, os.getpid()
         ),
     )
-    on_signal = _LaunchSignals(proc, after_step=args.task == "asr", ranks=args.nproc)
+    on_signal = _LaunchSignals(proc, after_step=args.task == "asr")
     received = on_signal.received
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
