@@ -460,6 +460,33 @@ def test_a_signal_before_the_ranks_exist_reaches_each_as_it_starts(monkeypatch):
     assert handler.proc.kills == 0
 
 
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_signal_while_torchrun_is_being_started_is_taken_once_it_has(monkeypatch, signals):
+    """The handler was installed once torchrun had started: a Ctrl-C while it was being started was a
+    KeyboardInterrupt traceback or, in the fork's hooks, lost (the run trained to its end, exit status 0).
+    Now it is installed first: one signal goes on to the ranks as they appear, two kill torchrun."""
+    from tandem.cli import train as cli_train
+
+    class Proc:
+        pid, kills = 4242, 0
+
+        def kill(self):
+            self.kills += 1
+
+    sent = []
+    monkeypatch.setattr(cli_train, "_children", lambda pid: [5000, 5001])
+    monkeypatch.setattr(cli_train.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    handler = cli_train._LaunchSignals(None)
+    for _ in range(signals):
+        handler(signal.SIGINT, None)  # before torchrun exists: no error
+    proc = Proc()
+    handler.started(proc)
+    if signals == 1:
+        assert sent == [(5000, signal.SIGINT), (5001, signal.SIGINT)] and proc.kills == 0
+    else:
+        assert proc.kills == 1
+
+
 @pytest.mark.parametrize("verdict, expected", [("2", 2), ("130", 130), (None, 0)])
 def test_the_ranks_ending_wins_over_a_signal_that_came_with_it(monkeypatch, tmp_path, verdict, expected):
     """A SIGTERM reached the launcher while the ranks ended for a recording they could not read (their

@@ -856,10 +856,10 @@ class _LaunchSignals:
     first one delivered twice (systemd, Slurm and `timeout` send it to the process group and forward it
     too), as the workers take it. Ctrl-C twice is a person's second request."""
 
-    def __init__(self, proc: subprocess.Popen, after_step: bool = True) -> None:
+    def __init__(self, proc: subprocess.Popen | None, after_step: bool = True) -> None:
         from tandem.asr.interrupt import StopRequests
 
-        self.proc = proc
+        self.proc = proc  # None until torchrun has started (:meth:`started`)
         # False (the classifier, whose ranks die of the signal): the first signal ends everything at once;
         # passed on alone, torchrun restarted the dead ranks and the run trained to its end
         self.after_step = after_step
@@ -884,8 +884,9 @@ class _LaunchSignals:
             if len(self.received) == 1:
                 name = signal.Signals(signum).name
                 print(f"tandem train: {name}: stopping at once", file=sys.stderr, flush=True)
-            self._to_ranks(signal.SIGKILL)  # they die with torchrun only once they have asked to
-            self.proc.kill()
+            if self.proc is not None:  # (else as it starts: :meth:`started`)
+                self._to_ranks(signal.SIGKILL)  # they die with torchrun only once they have asked to
+                self.proc.kill()
             return
         self._first = time.monotonic()
         print(
@@ -897,11 +898,20 @@ class _LaunchSignals:
         self.pending = signum
         self.pass_on_pending()
 
+    def started(self, proc: subprocess.Popen) -> None:
+        """torchrun is ``proc``: what came while it was being started is done now (killed at once, or the
+        first signal passed on to its ranks as they appear)."""
+        self.proc = proc
+        if len(self.received) > 1 or (self.received and not self.after_step):
+            proc.kill()
+        else:
+            self.pass_on_pending()
+
     def pass_on_pending(self) -> None:
         """Send a first signal to the ranks torchrun has started since it came and that do not have it (a
         rank that is still importing holds it, and stops after its first step): those it started before
         the signal, and those it starts after, when a rank died and it restarts them all."""
-        if self.pending is None or len(self.received) != 1:
+        if self.pending is None or len(self.received) != 1 or self.proc is None:
             return
         self._signalled.update(self._to_ranks(self.pending, skip=self._signalled))
 
@@ -947,21 +957,24 @@ def _launch(args: argparse.Namespace) -> int:
         checked = Path(folder.name) / "manifests.pickle"
         if save_checked_manifests(*args.checked_manifests, checked):
             env[CHECKED_MANIFESTS_ENV] = str(checked)
-    # a session of its own: a Ctrl-C in the terminal reaches this launcher only, which passes it on once
-    proc = subprocess.Popen(
-        _torchrun_command(args),
-        env=env,
-        start_new_session=True,
-        # the speech task's ranks take a stop request after a step (torchrun leaves it to them); the
-        # classifier's die of the signal, as Python's processes do, which torchrun must hear itself
-        preexec_fn=functools.partial(
-            start_holding_stop_signals if args.task == "asr" else die_with_parent, os.getpid()
-        ),
-    )
-    on_signal = _LaunchSignals(proc, after_step=args.task == "asr")
+    on_signal = _LaunchSignals(None, after_step=args.task == "asr")
     received = on_signal.received
+    # before torchrun starts: a Ctrl-C while it was being started was a traceback, or (in the fork's
+    # hooks, where Python ignores the exception) lost, and the run trained to its end
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        # a session of its own: a Ctrl-C in the terminal reaches this launcher only, which passes it on once
+        proc = subprocess.Popen(
+            _torchrun_command(args),
+            env=env,
+            start_new_session=True,
+            # the speech task's ranks take a stop request after a step (torchrun leaves it to them); the
+            # classifier's die of the signal, as Python's processes do, which torchrun must hear itself
+            preexec_fn=functools.partial(
+                start_holding_stop_signals if args.task == "asr" else die_with_parent, os.getpid()
+            ),
+        )
+        on_signal.started(proc)
         while True:
             try:
                 code = proc.wait(timeout=0.1)
