@@ -77,16 +77,14 @@ class RNNLayers(torch.nn.RNNBase):
 
     def _weights_without_caching(self) -> dict[str, Tensor]:
         """What :meth:`_current_weights` reads from the refreshed cache, computed as torch's refresh
-        (``_weights_have_changed``, then ``_init_flat_weights``) computes it, each weight evaluated as many
-        times (a parametrization such as ``spectral_norm`` steps its power iteration at each), without
-        writing the cache: under torch.compile the tensors may be functorch's wrappers (``torch.func.grad``
-        over ``functional_call``), whose storing on the module made the compile fail (torch's own layers
-        are not traced)."""
+        (its ``_weights_have_changed``, then ``_init_flat_weights``'s reads) computes it, each weight
+        evaluated as many times (a parametrization such as ``spectral_norm`` steps its power iteration at
+        each), without writing the cache: under torch.compile the tensors may be functorch's wrappers
+        (``torch.func.grad`` over ``functional_call``), whose storing on the module made the compile fail
+        (torch's own layers are not traced)."""
         names = self._flat_weights_names
-        for ref, name in zip(self._flat_weight_refs, names, strict=True):
-            weight = getattr(self, name) if hasattr(self, name) else None
-            if weight is not None and ref is not None and ref() is not weight:
-                return {n: getattr(self, n) if hasattr(self, n) else None for n in names}
+        if self._weights_have_changed():
+            return {n: getattr(self, n) if hasattr(self, n) else None for n in names}
         return dict(zip(names, self._flat_weights))
 
     def _current_weights(self) -> dict[str, Tensor]:
