@@ -1492,8 +1492,8 @@ class _CommThread:
             del task, item  # waiting for the next one must not keep this one's wrapper and tensors alive
 
 
-# The world's default group -> (it, the communication thread, the private group): see _shared_comm
-_SHARED_COMM: dict[int, tuple[dist.ProcessGroup, _CommThread, dist.ProcessGroup | None]] = {}
+# (the default group, the communication thread, the private group) of the current world: see _shared_comm
+_SHARED_COMM: tuple[dist.ProcessGroup, _CommThread, dist.ProcessGroup | None] | None = None
 
 
 def _shared_comm() -> tuple[_CommThread, dist.ProcessGroup | None]:
@@ -1501,15 +1501,14 @@ def _shared_comm() -> tuple[_CommThread, dist.ProcessGroup | None]:
     world, made by its first threaded wrapper (making the group is a collective: every rank makes that
     wrapper in the same order, as it makes every wrapper). Those of a default group since destroyed are
     let go."""
+    global _SHARED_COMM
     world = dist.group.WORLD
-    entry = _SHARED_COMM.get(id(world))
-    if entry is None or entry[0] is not world:
-        for key, (_, thread, _) in list(_SHARED_COMM.items()):
-            thread.stop()
-            del _SHARED_COMM[key]
+    if _SHARED_COMM is None or _SHARED_COMM[0] is not world:
+        if _SHARED_COMM is not None:
+            _SHARED_COMM[1].stop()
         private = dist.new_group() if dist.get_world_size() > 1 else None
-        entry = _SHARED_COMM[id(world)] = (world, _CommThread(), private)
-    return entry[1], entry[2]
+        _SHARED_COMM = (world, _CommThread(), private)
+    return _SHARED_COMM[1], _SHARED_COMM[2]
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
