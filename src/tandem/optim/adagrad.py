@@ -19,7 +19,6 @@ from tandem.ops.adagrad import (
     check_state_device,
     hyperparameters,
     refuse_early,
-    refuse_off_the_tape,
     step_device,
 )
 
@@ -364,16 +363,11 @@ class Adagrad(Optimizer):
                         "a leaf Variable that requires grad is being used in an in-place operation."
                     )
                 lr = group["lr"]  # (a tensor of more elements: hyperparameters' TypeError, as torch's)
-                refuse_off_the_tape(lr, group["lr_decay"], differentiable)
                 # read as torch's update reads them; what it refuses, with its error, before any group moves
                 hyper = hyperparameters(
                     lr, group["lr_decay"], group["weight_decay"], group["eps"], group["maximize"],
-                    zip(params, grads, sums, steps),
+                    zip(params, grads, sums, steps), on_tape=differentiable,
                 )  # fmt: skip
-                eps = group["eps"]
-                if differentiable and isinstance(eps, Tensor) and eps.requires_grad:
-                    # torch's update adds eps to the root of the sum on the tape: d/d eps is computed
-                    hyper = (*hyper[:3], eps.reshape(()), hyper[4])
                 work.append((group, hyper, params, grads, sums, steps))
 
         if len(work) > 1:  # (one group's are tried by the update itself, before it moves anything)

@@ -19,7 +19,6 @@ __all__ = [
     "check_state_device",
     "hyperparameters",
     "refuse_early",
-    "refuse_off_the_tape",
     "step_device",
 ]
 
@@ -31,7 +30,8 @@ def hyperparameters(
     eps: float,
     maximize: bool,
     tensors: Iterable[tuple[Tensor, Tensor, Tensor, Tensor]] = (),
-) -> tuple[float | Tensor, float, float, float, bool]:
+    on_tape: bool = False,
+) -> tuple[float | Tensor, float, float, float | Tensor, bool]:
     """``lr``, ``lr_decay``, ``weight_decay``, ``eps`` as floats and ``maximize`` as a bool, read as
     torch's per-tensor update reads them: a tensor ``lr`` by its value, a ``Fraction`` or numpy number
     by Python's arithmetic with a float, ``maximize`` by its truth value. What that update refuses raises
@@ -47,7 +47,12 @@ def hyperparameters(
 
     Under ``torch.compile`` a real tensor ``lr`` stays a tensor, read by the op when it runs: reading it
     here would make the compiled step depend on its value, and recompile at every change an LR scheduler
-    makes to it (torch's compiled optimizers take a tensor lr for that reason)."""
+    makes to it (torch's compiled optimizers take a tensor lr for that reason).
+
+    ``on_tape``: a differentiable step in grad mode, whose ops torch's update keeps on the tape. An ``eps``
+    that requires grad is returned as itself (0-d), and an ``lr`` or ``lr_decay`` that does is refused
+    (:func:`_refuse_off_the_tape`)."""
+    _refuse_off_the_tape(lr, lr_decay, on_tape)
     given = lr
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
@@ -60,7 +65,7 @@ def hyperparameters(
         if torch.compiler.is_compiling() and not lr.is_complex():
             # its dtype decides what torch's update makes of it; a number of that kind stands in for it
             kind = bool if lr.dtype == torch.bool else float if lr.is_floating_point() else int
-            _, *rest = hyperparameters(kind(1), lr_decay, weight_decay, eps, maximize, tensors)
+            _, *rest = hyperparameters(kind(1), lr_decay, weight_decay, eps, maximize, tensors, on_tape)
             return (lr, *rest)
         lr = lr.item()  # its value, for the checks and the kernels (a half one with lr_decay: below)
     _refuse_as_torch(dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize),
@@ -68,6 +73,8 @@ def hyperparameters(
     maximize = bool(maximize)
     if isinstance(lr, complex):  # one torch's addcdiv_ took: its imaginary part is 0
         lr = lr.real
+    # torch's update adds eps to the root of the sum on the tape: d/d eps is computed
+    eps = eps.reshape(()) if on_tape and isinstance(eps, Tensor) and eps.requires_grad else _float(eps)
     if not torch.compiler.is_compiling() and _rounds_clr(given, lr_decay):  # (compiled: the kernels' floats)
         # torch's per-tensor update divides lr by 1 + (step - 1) * lr_decay as they come: a tensor or numpy
         # number of another dtype than float64 rounds its clr to that dtype (float32: ~1e-8 from the float
@@ -75,11 +82,11 @@ def hyperparameters(
         # tensor squeezed), which sends the update the per-tensor way
         as_given = given.reshape(()) if isinstance(given, Tensor) else given
         decay = lr_decay.reshape(()) if isinstance(lr_decay, Tensor) else lr_decay
-        return as_given, decay, _float(weight_decay), _float(eps), maximize
-    return float(lr), _float(lr_decay), _float(weight_decay), _float(eps), maximize
+        return as_given, decay, _float(weight_decay), eps, maximize
+    return float(lr), _float(lr_decay), _float(weight_decay), eps, maximize
 
 
-def refuse_off_the_tape(lr: object, lr_decay: object, on_tape: bool) -> None:
+def _refuse_off_the_tape(lr: object, lr_decay: object, on_tape: bool) -> None:
     """torch's update takes ``clr = lr / (1 + (step - 1) * lr_decay)`` as a number: where it is computed
     on the tape (``on_tape``: a differentiable step in grad mode) from an ``lr`` or ``lr_decay`` that
     requires grad, its addcdiv_ refuses the tensor, with a TypeError, after counting the step and adding to
@@ -96,7 +103,7 @@ def refuse_off_the_tape(lr: object, lr_decay: object, on_tape: bool) -> None:
 
 def _float(x: object) -> float:
     """``x`` as a float; a tensor that requires grad without autograd's warning (torch's update takes its
-    value, or keeps it on the tape: see :func:`adagrad`)."""
+    value, or keeps it on the tape: see :func:`hyperparameters`)."""
     return float(x.detach()) if isinstance(x, Tensor) else float(x)
 
 
@@ -232,13 +239,10 @@ def adagrad(
         )
     for i, (p, g, s, t) in enumerate(zip(params, grads, state_sums, state_steps)):
         _check(i, p, g, s, t)
-    refuse_off_the_tape(lr, lr_decay, differentiable and torch.is_grad_enabled())
-    given_eps = eps
     lr, lr_decay, weight_decay, eps, maximize = hyperparameters(
-        lr, lr_decay, weight_decay, eps, maximize, zip(params, grads, state_sums, state_steps)
-    )
-    if differentiable and isinstance(given_eps, Tensor) and given_eps.requires_grad:
-        eps = given_eps.reshape(())  # torch's update adds it to the root of the sum on the tape
+        lr, lr_decay, weight_decay, eps, maximize, zip(params, grads, state_sums, state_steps),
+        on_tape=differentiable and torch.is_grad_enabled(),
+    )  # fmt: skip
     return adagrad_unchecked(
         params,
         grads,
