@@ -238,13 +238,16 @@ def adagrad_step_ref(
         fast_lists = [[x[i] for i, f in enumerate(fast) if f] for x in lists]
         plain_lists = [[x[i] for i, f in enumerate(fast) if not f] for x in lists]
 
+    # a step GradScaler skips (an inf found): torch's fused kernels test found_inf on the host (CPU) or per
+    # block (CUDA); the version counts and the per-tensor fallback read it here
+    skip = found_inf is not None and bool(found_inf.item() == 1.0)
     if fast_lists[0]:
         amp = dict(grad_scale=grad_scale, found_inf=found_inf)
         if track:
             maxima.append(_fused_tracked(*fast_lists, **hyper, **amp))
         else:
             torch._fused_adagrad_(*fast_lists, **hyper, **amp)
-        if found_inf is None or not bool(found_inf.item() == 1.0):
+        if not skip:
             # torch's default updates with in-place ops, which count a version (a graph kept with
             # retain_graph that saved a parameter then refuses a second backward); its fused kernel, as this
             # one, writes behind autograd's back: counted here, 2 us for 60 tensors (as the Triton path does)
@@ -252,8 +255,6 @@ def adagrad_step_ref(
             bump_versions(changed)
 
     if plain_lists is not None:
-        # torch's fused kernels test found_inf on the host (CPU) or per block (CUDA); this fallback reads it.
-        skip = found_inf is not None and bool(found_inf.item() == 1.0)
         if not skip:
             if grad_scale is not None:  # the roundings of torch's default under GradScaler
                 unscale_like_grad_scaler_(plain_lists[1], grad_scale)
