@@ -158,6 +158,22 @@ class _Transfer:
     device: torch.device
 
 
+def _agree(
+    described: list[str], group: dist.ProcessGroup | None, device: torch.device, timeout: float
+) -> None:
+    """The constructor's agreement: every rank describes its parameters and hyperparameters (or its
+    refusal of them, :func:`_refused`), and all raise the same ValueError where they differ."""
+    check_same_on_all_ranks(
+        described,
+        group,
+        device,
+        timeout,
+        "the optimizer's parameters and hyperparameters",
+        who=_WHO,
+        hint="Every rank must pass the same parameters, in the same order.",
+    )
+
+
 def _refused(error: Exception, group: dist.ProcessGroup | None, params: list[Any]) -> None:
     """A rank's constructor refused its arguments (``error``): take part in the agreement that the other
     ranks' constructors wait in, so that each of them raises at once (a ValueError naming this rank's
@@ -177,14 +193,11 @@ def _refused(error: Exception, group: dist.ProcessGroup | None, params: list[Any
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        check_same_on_all_ranks(
+        _agree(
             [f"this rank's refusal: {type(error).__name__}: {error}"],
             group,
             device,
             group_timeout_seconds(group),
-            "the optimizer's parameters and hyperparameters",
-            who=_WHO,
-            hint="Every rank must pass the same parameters, in the same order.",
         )
     except Exception:
         pass
@@ -303,15 +316,7 @@ class ZeroAdagrad(Optimizer):
                 + ", ".join(f"{k}={group[k]!r}" for k in _HYPER if not isinstance(group[k], Tensor))
                 for g, group in enumerate(self.param_groups)
             ]
-            check_same_on_all_ranks(
-                described,
-                process_group,
-                self._params[0].device,
-                self.timeout,
-                "the optimizer's parameters and hyperparameters",
-                who=_WHO,
-                hint="Every rank must pass the same parameters, in the same order.",
-            )
+            _agree(described, process_group, self._params[0].device, self.timeout)
 
         # what the shards are cut for: a parameter converted since (model.float()) is refused at step()
         self._made_as = [(p.shape, p.dtype, p.device) for p in self._params]
